@@ -1,0 +1,159 @@
+"""connect(): embedded LocalCluster, existing clients, real remote schedulers, TLS, timeouts."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import cloudpickle
+import distributed
+import pytest
+from distributed import Client, Security
+
+import carlskit
+
+# Workers started by the `dask` CLI cannot import this test module: ship its functions by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+
+def worker_settings():
+    return (
+        os.environ.get("OMP_NUM_THREADS"),
+        os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE"),
+        os.environ.get("JAX_PLATFORMS"),
+    )
+
+
+def test_embedded_cluster_is_started_once_and_configures_workers():
+    client = carlskit.connect(n_workers=2, threads_per_worker=1, platform="cpu")
+    try:
+        assert len(client.scheduler_info()["workers"]) == 2
+        assert client.dashboard_link.startswith("http://127.0.0.1:")
+        assert carlskit.connect() is client, "a second connect() must reuse the running client"
+        settings = client.run(worker_settings)
+        assert set(settings.values()) == {("1", "false", "cpu")}
+        report = carlskit.devices(client)
+        assert len(report.workers) == 2
+        assert {row["backend"] for row in report} == {"cpu"}
+        assert report["client"]["device_count"] >= 1
+        assert "<table>" in report._repr_html_() and "device_kinds" in repr(report)
+    finally:
+        client.close()
+    assert distributed.client._get_global_client() is None
+
+
+def test_scheduler_address_from_environment(monkeypatch):
+    with distributed.LocalCluster(
+        n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None
+    ) as cluster:
+        monkeypatch.setenv("DASK_SCHEDULER_ADDRESS", cluster.scheduler_address)
+        client = carlskit.connect(timeout=10)
+        try:
+            assert client.scheduler.address == cluster.scheduler_address
+            assert client.submit(sum, [1, 2, 3]).result() == 6
+        finally:
+            client.close()
+
+
+def _dask_cli() -> str:
+    path = Path(sys.executable).with_name("dask")
+    return str(path) if path.exists() else shutil.which("dask")
+
+
+def _wait_for_file(path: Path, process: subprocess.Popen, seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        if process.poll() is not None:
+            raise RuntimeError(f"dask scheduler exited with {process.returncode}")
+        if time.monotonic() > deadline:
+            raise RuntimeError("dask scheduler did not write its scheduler file")
+        time.sleep(0.1)
+
+
+@pytest.fixture
+def cli_cluster(tmp_path):
+    """A scheduler and a worker started as separate processes with the `dask` command line."""
+    scheduler_file = tmp_path / "scheduler.json"
+    scheduler = subprocess.Popen(
+        [_dask_cli(), "scheduler", "--host", "127.0.0.1", "--port", "0",
+         "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    worker = None
+    try:
+        _wait_for_file(scheduler_file, scheduler)
+        worker = subprocess.Popen(
+            [_dask_cli(), "worker", "--scheduler-file", str(scheduler_file), "--nworkers", "1",
+             "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        yield scheduler_file
+    finally:
+        for process in (worker, scheduler):
+            if process is not None:
+                process.terminate()
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+                    process.wait()
+
+
+def test_connects_to_cli_started_scheduler_and_worker(cli_cluster):
+    client = carlskit.connect(scheduler_file=cli_cluster, threads_per_worker=1, timeout=30)
+    try:
+        client.wait_for_workers(1, timeout=60)
+        assert client.submit(lambda x: x + 1, 41).result() == 42
+        # The plugin configured the worker the CLI started (not spawned by carlskit).
+        assert set(client.run(worker_settings).values()) == {("1", "false", None)}
+        address = client.scheduler.address
+    finally:
+        client.close()
+    by_address = carlskit.connect(address, timeout=30)
+    try:
+        assert by_address.submit(pow, 2, 10).result() == 1024
+    finally:
+        by_address.close()
+
+
+def test_tls_cluster_refuses_a_client_without_credentials():
+    security = Security.temporary()
+    client = carlskit.connect(n_workers=1, security=security)
+    try:
+        address = client.scheduler.address
+        assert address.startswith("tls://")
+        assert client.submit(lambda: "over tls").result() == "over tls"
+        plaintext = address.replace("tls://", "tcp://")
+        with pytest.raises(ConnectionError, match="tcp://"):
+            carlskit.connect(plaintext, timeout=3)
+        with pytest.raises(ConnectionError, match="tls://"):
+            carlskit.connect(address, security=Security.temporary(), timeout=3)  # other CA
+        with pytest.raises(ValueError, match="security"):
+            carlskit.connect(address, timeout=3)
+    finally:
+        client.close()
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_address_is_a_clear_error_not_a_hang():
+    with pytest.raises(ConnectionError, match="tcp://127.0.0.1:9.*within 2 s"):
+        carlskit.connect("tcp://127.0.0.1:9", timeout=2)
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(ValueError, match="address or scheduler_file"):
+        carlskit.connect("tcp://127.0.0.1:9", scheduler_file="x.json")
+    with pytest.raises(TypeError, match="address"):
+        carlskit.connect(8786)
+    with pytest.raises(ValueError, match="timeout"):
+        carlskit.connect("tcp://127.0.0.1:9", timeout=0)
+    with pytest.raises(FileNotFoundError, match="scheduler_file"):
+        carlskit.connect(scheduler_file="/nonexistent/scheduler.json")
+    with pytest.raises(ValueError, match="n_workers"):
+        carlskit.connect(n_workers=-1)
