@@ -1,0 +1,31 @@
+# carlskit: two commands on a fresh machine with Python 3.11+ (no conda needed).
+#   make lab   - create .venv, install carlskit with the lab extras, open the tutorials in JupyterLab
+#   make test  - create or update .venv, install, run every test and notebook
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+LAB_PORT ?= 8888
+
+.PHONY: lab test venv clean
+
+$(BIN)/python:
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install --quiet -e ".[lab,dev]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+lab: $(STAMP)
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks
+
+# CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
+test: $(STAMP)
+	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=600 -p no:cacheprovider -rfE --durations=15
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
