@@ -6,6 +6,8 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LAB_PORT ?= 8888
+# Jupyter refuses to run as root unless told; containers and CI machines often are root.
+LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 .PHONY: lab test venv clean
 
@@ -21,7 +23,7 @@ $(STAMP): pyproject.toml | $(BIN)/python
 venv: $(STAMP)
 
 lab: $(STAMP)
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
 
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
 test: $(STAMP)
