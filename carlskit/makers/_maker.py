@@ -1,0 +1,269 @@
+"""``Maker``: asynchronous knowledge makers (CARLS paper section 3.1).
+
+A maker loops until stopped: when the trainer has published a checkpoint newer than the one it
+used last, it loads it, recomputes knowledge for its slice of the items and writes it to the bank
+with the checkpoint's version. With a Dask client each slice runs as a long-running task on a
+worker (it secedes from the worker's thread pool, so it never blocks other tasks or actors); without
+one, slices run in threads of this process. A slice that raises is restarted; its error is kept in
+``maker.errors``, logged, and printed, never swallowed. A slice whose worker dies is rerun by Dask
+on another worker.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from carlskit.training._checkpoint import CheckpointStore
+
+logger = logging.getLogger("carlskit.makers")
+
+MakerFn = Callable[["MakerContext"], None]
+
+
+@dataclass
+class MakerContext:
+    """What a maker function receives for one round: the checkpoint, its items, the bank."""
+
+    items: np.ndarray
+    version: int
+    checkpoint: dict[str, np.ndarray]
+    metadata: dict
+    bank: Any
+    slice_index: int
+
+
+def _report(topic: str, message: dict) -> None:
+    """Send a status message to the client (Dask event) or keep it in-process (threads)."""
+    try:
+        from distributed import get_worker
+
+        get_worker().log_event(topic, message)
+    except ValueError:  # not on a worker: embedded mode
+        _LOCAL_EVENTS.setdefault(topic, []).append((time.time(), message))
+
+
+_LOCAL_EVENTS: dict[str, list] = {}
+
+
+def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path: str, bank: Any,
+                    stop: Any, topic: str, poll_seconds: float, max_rounds: int | None) -> int:
+    """The loop one slice runs (on a worker or a thread) until ``stop`` is set; returns rounds run."""
+    try:  # free the worker's thread slot: this task runs for as long as training does
+        from distributed import secede
+
+        secede()
+    except (ValueError, ImportError, KeyError):
+        pass
+    store = CheckpointStore(store_path, keep=None)
+    current, rounds = None, 0
+    while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
+        latest = store.latest()
+        if latest is None or latest == current:
+            time.sleep(poll_seconds)
+            continue
+        start = time.perf_counter()
+        try:
+            checkpoint, metadata = store.load(latest)
+        except FileNotFoundError:  # pruned between latest() and load(): take the next one
+            continue
+        fn(MakerContext(items, latest, checkpoint, metadata, bank, slice_index))
+        seconds = time.perf_counter() - start
+        current, rounds = latest, rounds + 1
+        _report(topic, {"slice": slice_index, "version": latest, "items": len(items),
+                        "seconds": seconds, "round": rounds})
+    return rounds
+
+
+class _ThreadEvent:
+    """threading.Event with the same ``is_set`` as distributed.Event, for embedded makers."""
+
+    def __init__(self):
+        self._event = threading.Event()
+
+    def is_set(self) -> bool:
+        return self._event.is_set()
+
+    def set(self) -> None:
+        self._event.set()
+
+
+class Maker:
+    """Run ``fn`` over slices of ``items`` whenever a newer checkpoint is published.
+
+    Args:
+      fn: ``fn(context: MakerContext)``; computes knowledge for ``context.items`` from
+        ``context.checkpoint`` (leaves by path) and writes it with
+        ``context.bank.update(..., version=context.version)``.
+      items: the item keys this maker is responsible for (split into ``num_slices`` slices).
+      num_slices: parallel slices (one Dask task or thread each).
+      name: shown in status and events.
+      poll_seconds: how often a slice checks for a new checkpoint.
+      workers: optional Dask worker addresses (or resource restrictions) the slices may run on.
+    """
+
+    def __init__(self, fn: MakerFn, items: np.ndarray, *, num_slices: int = 1, name: str | None = None,
+                 poll_seconds: float = 0.2, workers: list[str] | None = None, max_restarts: int = 10):
+        if not callable(fn):
+            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+        items = np.asarray(items)
+        if items.ndim != 1 or not np.issubdtype(items.dtype, np.integer) or len(items) == 0:
+            raise ValueError(f"items must be a non-empty 1-D int array, got {items.dtype} {items.shape}")
+        if not 1 <= num_slices <= len(items):
+            raise ValueError(f"num_slices must be in [1, {len(items)}], got {num_slices}")
+        self.fn = fn
+        self.items = items.astype(np.int64)
+        self.num_slices = num_slices
+        self.name = name or getattr(fn, "__name__", type(fn).__name__)
+        self.poll_seconds = poll_seconds
+        self.workers = workers
+        self.max_restarts = max_restarts
+        self.errors: list[tuple[int, str]] = []
+        self.restarts = 0
+        self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"
+        self._client = None
+        self._store: CheckpointStore | None = None
+        self._stop = None
+        self._running: dict[int, Any] = {}
+        self._supervisor: threading.Thread | None = None
+        self._started = 0.0
+
+    @property
+    def slices(self) -> list[np.ndarray]:
+        return np.array_split(self.items, self.num_slices)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self, checkpoints: CheckpointStore, bank: Any, client: Any = None) -> Maker:
+        """Start every slice; returns self. ``client=None`` runs slices in threads here."""
+        if self._supervisor is not None:
+            raise RuntimeError(f"maker {self.name!r} is already running")
+        self._store, self._bank, self._client = checkpoints, bank, client
+        self._started = time.time()
+        if client is None:
+            self._stop = _ThreadEvent()
+        else:
+            from distributed import Event
+
+            self._stop = Event(f"{self._topic}-stop", client=client)
+            self._stop.clear()
+        for index in range(self.num_slices):
+            self._launch(index)
+        self._supervisor = threading.Thread(target=self._supervise, name=f"maker-{self.name}", daemon=True)
+        self._supervisor.start()
+        return self
+
+    def _launch(self, index: int) -> None:
+        arguments = (self.fn, self.slices[index], index, self._store.path, self._bank, self._stop,
+                     self._topic, self.poll_seconds, None)
+        if self._client is None:
+            result: dict = {}
+
+            def run():
+                try:
+                    result["value"] = run_maker_slice(*arguments)
+                except BaseException as error:
+                    result["error"] = error
+                    result["traceback"] = traceback.format_exc()
+
+            thread = threading.Thread(target=run, name=f"maker-{self.name}-{index}", daemon=True)
+            thread.start()
+            self._running[index] = (thread, result)
+        else:
+            self._running[index] = self._client.submit(
+                run_maker_slice, *arguments, pure=False, workers=self.workers,
+                key=f"maker-{self.name}-{index}-{uuid.uuid4().hex[:8]}",
+            )
+
+    def _finished(self, index: int) -> tuple[bool, BaseException | None, str]:
+        running = self._running[index]
+        if self._client is None:
+            thread, result = running
+            if thread.is_alive():
+                return False, None, ""
+            return True, result.get("error"), result.get("traceback", "")
+        if not running.done():
+            return False, None, ""
+        if running.status == "error":
+            error = running.exception()
+            return True, error, "".join(traceback.format_tb(running.traceback()))
+        return True, None, ""
+
+    def _supervise(self) -> None:
+        while not self._stop.is_set():
+            for index in list(self._running):
+                done, error, trace = self._finished(index)
+                if not done or self._stop.is_set():
+                    continue
+                if error is not None:
+                    message = f"maker {self.name!r} slice {index} raised {type(error).__name__}: {error}"
+                    self.errors.append((index, f"{message}\n{trace}"))
+                    logger.error(message)
+                    print(message, file=sys.stderr, flush=True)
+                    if self.restarts >= self.max_restarts:
+                        logger.error("maker %r gave up after %d restarts", self.name, self.restarts)
+                        del self._running[index]
+                        continue
+                self.restarts += 1
+                self._launch(index)
+            time.sleep(0.2)
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop every slice and wait for them to end."""
+        if self._stop is None:
+            return
+        self._stop.set()
+        if self._supervisor is not None:
+            self._supervisor.join(timeout)
+        deadline = time.monotonic() + timeout
+        for running in self._running.values():
+            if self._client is None:
+                running[0].join(max(deadline - time.monotonic(), 0.1))
+            else:
+                try:
+                    running.result(timeout=max(deadline - time.monotonic(), 0.1))
+                except Exception:  # errors were reported by the supervisor
+                    pass
+        self._running.clear()
+        self._supervisor = None
+
+    # -- status ----------------------------------------------------------------------------------
+    def events(self) -> list[dict]:
+        if self._client is None:
+            return [message for _, message in _LOCAL_EVENTS.get(self._topic, [])]
+        return [message for _, message in self._client.get_events(self._topic)]
+
+    def status(self) -> dict:
+        """Per-slice version, lag (checkpoints published since), items/s; plus restarts and errors."""
+        events = self.events()
+        published = self._store.versions() if self._store is not None else []
+        latest_by_slice: dict[int, dict] = {}
+        for message in events:
+            latest_by_slice[message["slice"]] = message
+        slices = []
+        for index in range(self.num_slices):
+            message = latest_by_slice.get(index)
+            version = None if message is None else message["version"]
+            slices.append({
+                "slice": index,
+                "version": version,
+                "lag": len(published) if version is None else sum(v > version for v in published),
+                "items_per_s": None if message is None else message["items"] / max(message["seconds"], 1e-9),
+                "rounds": 0 if message is None else message["round"],
+            })
+        return {"name": self.name, "slices": slices, "restarts": self.restarts,
+                "errors": [e for _, e in self.errors]}
+
+    def __repr__(self) -> str:
+        status = self.status()
+        versions = [s["version"] for s in status["slices"]]
+        return (f"<Maker {self.name!r}: {self.num_slices} slice(s), versions {versions}, "
+                f"restarts {status['restarts']}, errors {len(status['errors'])}>")

@@ -1,0 +1,52 @@
+"""Pure loss functions for the CARLS paradigms (jit- and vmap-able, plain arrays in and out)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+DISTANCES = ("l2", "l1", "cosine")
+
+
+def pairwise_distance(samples: jax.Array, neighbors: jax.Array, distance: str = "l2") -> jax.Array:
+    """Distance between each sample [B, D] and each of its neighbours [B, K, D]; returns [B, K].
+
+    ``l2``: squared Euclidean, sum_d (x_d - n_d)^2; ``l1``: sum_d |x_d - n_d|;
+    ``cosine``: 1 - <x, n> / (|x| |n|) (Neural Structured Learning's distance options).
+    """
+    if distance not in DISTANCES:
+        raise ValueError(f"distance must be one of {DISTANCES}, got {distance!r}")
+    difference = samples[:, None, :] - neighbors
+    if distance == "l2":
+        return jnp.sum(difference**2, axis=-1)
+    if distance == "l1":
+        return jnp.sum(jnp.abs(difference), axis=-1)
+    dot = jnp.einsum("bd,bkd->bk", samples, neighbors)
+    norms = jnp.linalg.norm(samples, axis=-1)[:, None] * jnp.linalg.norm(neighbors, axis=-1)
+    return 1.0 - dot / jnp.maximum(norms, 1e-12)
+
+
+def graph_regularization(
+    samples: jax.Array, neighbors: jax.Array, weights: jax.Array, distance: str = "l2"
+) -> jax.Array:
+    """Graph regularizer of CARLS figure 2 / Neural Structured Learning.
+
+    mean over samples of sum_k weights[b, k] * distance(samples[b], neighbors[b, k]).
+    ``neighbors`` are the bank's embeddings of the neighbours (constants: no gradient flows into
+    them); padding and neighbours missing from the bank carry weight 0.
+    """
+    if samples.ndim != 2 or neighbors.ndim != 3 or weights.shape != neighbors.shape[:2]:
+        raise ValueError(
+            f"expected samples [B, D], neighbors [B, K, D], weights [B, K]; got {samples.shape}, "
+            f"{neighbors.shape}, {weights.shape}"
+        )
+    distances = pairwise_distance(samples, jax.lax.stop_gradient(neighbors), distance)
+    return jnp.mean(jnp.sum(weights * distances, axis=-1))
+
+
+def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
+    """Mean softmax cross-entropy over the items where ``mask`` is true (0 when none is)."""
+    safe_labels = jnp.where(mask, labels, 0)
+    losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), safe_labels[:, None], axis=-1)[:, 0]
+    mask = mask.astype(logits.dtype)
+    return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)

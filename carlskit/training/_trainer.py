@@ -1,0 +1,272 @@
+"""``Trainer``: the CARLS trainer (paper section 3.3).
+
+It trains a Flax NNX model with an optax optimizer, reads knowledge from the bank in a prefetching
+input pipeline, publishes checkpoints for makers every ``checkpoint_every`` steps and resumes from
+the latest one. The step itself is one pure jitted function of the model and optimizer state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from carlskit.training._checkpoint import CheckpointStore
+from carlskit.training._live import LivePlot, in_notebook
+from carlskit.training._pipeline import Batch, Prefetcher
+
+LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+
+
+class FitHandle:
+    """A training run in a background thread: ``stop()``, ``wait()``, ``done``."""
+
+    def __init__(self, trainer: Trainer, thread: threading.Thread, stop: threading.Event):
+        self.trainer = trainer
+        self._thread = thread
+        self._stop = stop
+        self.error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def stop(self) -> None:
+        """Ask training to stop after the current step, then wait for it."""
+        self._stop.set()
+        self.wait()
+
+    def wait(self, timeout: float | None = None) -> list[dict]:
+        """Wait for the run to end; re-raise its error if it failed; return the history."""
+        self._thread.join(timeout)
+        if self.error is not None:
+            raise self.error
+        return self.trainer.history
+
+    def __repr__(self) -> str:
+        state = "done" if self.done else "running"
+        return f"<FitHandle {state}, step {self.trainer.step}>"
+
+
+class Trainer:
+    """Train ``model`` with ``optimizer`` on batches enriched with bank knowledge.
+
+    Args:
+      model: a Flax NNX module.
+      optimizer: any optax ``GradientTransformation`` (wrapped in ``nnx.Optimizer`` over
+        ``nnx.Param``).
+      loss_fn: ``loss_fn(model, batch) -> (loss, metrics)``; a pure function of the model and a batch
+        of arrays (keys starting with ``_`` are host-side statistics and not passed to it).
+      knowledge: ``knowledge(batch) -> batch`` run in the prefetch thread (e.g.
+        :class:`carlskit.training.NeighborKnowledge`), so bank lookups overlap compute.
+      checkpoints: a :class:`CheckpointStore` or a path for one; the trainer resumes from its latest
+        checkpoint and publishes a new one every ``checkpoint_every`` steps (version = step).
+      summaries: optional writer with ``scalar(name, value, step)`` (e.g. ``SummaryWriter``).
+      prefetch: batches prepared ahead of the step.
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        optimizer: optax.GradientTransformation,
+        loss_fn: LossFn,
+        *,
+        knowledge: Callable[[Batch], Batch] | None = None,
+        checkpoints: CheckpointStore | str | None = None,
+        checkpoint_every: int = 100,
+        summaries: Any = None,
+        prefetch: int = 2,
+    ):
+        if not isinstance(model, nnx.Module):
+            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, optax.GradientTransformation):
+            raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
+        if checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        self.model = model
+        self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+        self.loss_fn = loss_fn
+        self.knowledge = knowledge
+        self.checkpoints = CheckpointStore(checkpoints) if isinstance(checkpoints, str) else checkpoints
+        self.checkpoint_every = checkpoint_every
+        self.summaries = summaries
+        self.prefetch = prefetch
+        self.step = 0
+        self.history: list[dict] = []
+        self._graphdef, self._state = nnx.split((self.model, self.optimizer))
+        self._mesh = _data_mesh()
+        if self._mesh is not None:
+            self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
+        self._train_step = jax.jit(self._make_step(), donate_argnums=0)
+        self._lock = threading.Lock()
+        self.restore()
+
+    # -- state -----------------------------------------------------------------------------------
+    def _make_step(self):
+        graphdef, loss_fn = self._graphdef, self.loss_fn
+
+        def train_step(state, batch):
+            model, optimizer = nnx.merge(graphdef, state)
+            (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+            optimizer.update(model, grads)
+            return nnx.state((model, optimizer)), loss, metrics
+
+        return train_step
+
+    def sync(self) -> None:
+        """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
+        with self._lock:
+            nnx.update((self.model, self.optimizer), self._state)
+
+    def checkpoint_tree(self) -> dict:
+        model_state, optimizer_state = self._state
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def save_checkpoint(self) -> int | None:
+        """Publish the current state as version ``step`` (no-op without a store or if published)."""
+        if self.checkpoints is None or self.checkpoints.latest() == self.step:
+            return None
+        return self.checkpoints.save(self.checkpoint_tree(), version=self.step, metadata={"step": self.step})
+
+    def restore(self, version: int | None = None) -> bool:
+        """Load the latest (or given) checkpoint into the trainer; returns whether one was loaded."""
+        if self.checkpoints is None or self.checkpoints.latest() is None:
+            return False
+        tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
+        self._state = (tree["model"], tree["optimizer"])
+        if self._mesh is not None:
+            self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
+        self.step = int(metadata["step"])
+        self.sync()
+        return True
+
+    # -- training --------------------------------------------------------------------------------
+    def fit(
+        self,
+        data: Iterable[Batch] | Callable[[int], Batch],
+        steps: int,
+        *,
+        block: bool = True,
+        progress: bool = True,
+        live: bool | None = None,
+    ) -> list[dict] | FitHandle:
+        """Train for ``steps`` steps on ``data`` (an iterable of batches or ``f(step) -> batch``).
+
+        Shows a tqdm progress bar and, in a notebook (``live=None``), a live loss plot. With
+        ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
+        Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
+        """
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        live = in_notebook() if live is None else live
+        plot = LivePlot("Trainer") if live else None
+        if plot is not None:
+            from IPython.display import display
+
+            display(plot.widget)  # from the calling thread; the training thread only sets values
+        stop = threading.Event()
+        if block:
+            self._fit(data, steps, stop, progress, plot)
+            return self.history
+        handle = None
+
+        def run():
+            try:
+                self._fit(data, steps, stop, progress, plot)
+            except BaseException as error:  # surfaced by handle.wait()
+                handle.error = error
+
+        thread = threading.Thread(target=run, name="carlskit-trainer", daemon=True)
+        handle = FitHandle(self, thread, stop)
+        thread.start()
+        return handle
+
+    def _source(self, data, first_step: int):
+        if callable(data) and not hasattr(data, "__iter__"):
+            counter = iter(range(first_step, 1 << 62))
+            return lambda: data(next(counter))
+        iterator = iter(data)
+        return lambda: next(iterator)
+
+    def _fit(self, data, steps: int, stop: threading.Event, progress: bool, plot: LivePlot | None) -> None:
+        from tqdm.auto import tqdm
+
+        prefetcher = Prefetcher(self._source(data, self.step), self.knowledge, self.prefetch)
+        bar = tqdm(total=steps, desc="train", disable=not progress, leave=True)
+        try:
+            for _ in range(steps):
+                if stop.is_set():
+                    break
+                try:
+                    batch = next(prefetcher)
+                except StopIteration:
+                    break
+                statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
+                arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
+                start = time.perf_counter()
+                with self._lock:
+                    self._state, loss, metrics = self._train_step(self._state, arrays)
+                loss = float(loss)
+                self.step += 1
+                record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
+                          **{k: float(v) for k, v in metrics.items()},
+                          **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
+                self.history.append(record)
+                self._log(record)
+                bar.update(1)
+                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                if self.step % self.checkpoint_every == 0:
+                    self.sync()
+                    self.save_checkpoint()
+                if plot is not None:
+                    plot.update(self._series())
+        finally:
+            prefetcher.close()
+            bar.close()
+            self.sync()
+            if plot is not None:
+                plot.update(self._series(), force=True)
+
+    def _place(self, arrays: dict) -> dict:
+        if self._mesh is None:
+            return arrays
+        size = self._mesh.devices.size
+        spec = jax.sharding.PartitionSpec("data")
+        replicated = jax.sharding.PartitionSpec()
+        return {
+            k: jax.device_put(v, jax.sharding.NamedSharding(
+                self._mesh, spec if np.ndim(v) and np.shape(v)[0] % size == 0 else replicated))
+            for k, v in arrays.items()
+        }
+
+    def _log(self, record: dict) -> None:
+        if self.summaries is None:
+            return
+        for name, value in record.items():
+            if name != "step":
+                self.summaries.scalar(f"train/{name}", value, self.step)
+
+    def _series(self) -> dict:
+        steps = np.array([r["step"] for r in self.history])
+        series = {"loss": (steps, np.array([r["loss"] for r in self.history]))}
+        if self.history and "staleness" in self.history[-1]:
+            series["staleness"] = (steps, np.array([r.get("staleness", np.nan) for r in self.history]))
+        return series
+
+    def evaluate(self, fn: Callable[[nnx.Module], Any]) -> Any:
+        """Apply ``fn`` to the current model (synced from the training state)."""
+        self.sync()
+        return fn(self.model)
+
+
+def _data_mesh() -> jax.sharding.Mesh | None:
+    devices = jax.local_devices()
+    if len(devices) < 2:
+        return None
+    return jax.sharding.Mesh(np.array(devices), ("data",))
