@@ -458,8 +458,11 @@ class KnowledgeBank:
         return out
 
     def stats(self) -> dict[str, Any]:
-        """Per table: rows (total and per shard), pending gradients and keys, min/max version,
-        call and row counters, dropped gradients; summed over shards."""
+        """Per table, summed over shards: rows (and ``rows_per_shard``), ``pending_gradients``,
+        ``pending_keys``, ``min_version``/``max_version``, ``*_shard_calls`` (a batch that touches
+        two shards counts two), rows looked up / inserted / updated, gradients received / applied,
+        ``dropped_nonfinite``, ``dropped_outliers``, ``discarded_by_update``, ``optimizer_steps``,
+        ``resident_bytes``."""
         per_shard = self._call_all("stats")
         tables: dict[str, Any] = {}
         for shard_stats in per_shard:

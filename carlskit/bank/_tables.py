@@ -35,8 +35,8 @@ def _fill_value(dtype: np.dtype) -> Any:
 
 def new_counters() -> dict[str, int]:
     return {
-        "lookup_calls": 0, "update_calls": 0, "apply_gradients_calls": 0, "nearest_calls": 0,
-        "sample_calls": 0, "rows_looked_up": 0, "rows_inserted": 0, "rows_updated": 0,
+        "lookup_shard_calls": 0, "update_shard_calls": 0, "apply_gradients_shard_calls": 0, "nearest_shard_calls": 0,
+        "sample_shard_calls": 0, "rows_looked_up": 0, "rows_inserted": 0, "rows_updated": 0,
         "gradients_received": 0, "gradients_applied": 0, "optimizer_steps": 0,
         "dropped_nonfinite": 0, "dropped_outliers": 0, "discarded_by_update": 0,
     }
@@ -102,7 +102,7 @@ class RowStore:
 
     def count_lookups(self, rows: np.ndarray) -> None:
         np.add.at(self.columns["lookup_count"], rows, 1)
-        self.counters["lookup_calls"] += 1
+        self.counters["lookup_shard_calls"] += 1
         self.counters["rows_looked_up"] += len(rows)
 
     def metadata(self, keys: np.ndarray) -> dict[str, np.ndarray]:
@@ -120,7 +120,7 @@ class RowStore:
                 "lookup_count": column("lookup_count", 0)}
 
     def sample(self, n: int, rng: np.random.Generator) -> np.ndarray:
-        self.counters["sample_calls"] += 1
+        self.counters["sample_shard_calls"] += 1
         if self.num_rows == 0:
             return np.full(n, -1, dtype=np.int64)
         return self.columns["keys"][rng.integers(0, self.num_rows, n)]
@@ -377,13 +377,13 @@ class EmbeddingTable(RowStore):
                 self.counters["discarded_by_update"] += len(gradients)
         self._write_values(rows, values, now)
         self.version[rows] = version
-        self.counters["update_calls"] += 1
+        self.counters["update_shard_calls"] += 1
         self.counters["rows_updated"] += len(rows)
 
     def apply_gradients(self, keys: np.ndarray, gradients: np.ndarray, now: float) -> None:
         rows, _ = self.rows_of(keys, True, now)
         self.pending.append(rows, gradients, np.full(len(rows), now), self._head, self._count)
-        self.counters["apply_gradients_calls"] += 1
+        self.counters["apply_gradients_shard_calls"] += 1
         self.counters["gradients_received"] += len(rows)
         full = rows[self.pending_count[rows] >= self.config["max_pending"]]
         if len(full):
@@ -391,7 +391,7 @@ class EmbeddingTable(RowStore):
 
     def nearest(self, queries: np.ndarray, k: int, metric: str, exclude: np.ndarray | None,
                 exact: bool | None):
-        self.counters["nearest_calls"] += 1
+        self.counters["nearest_shard_calls"] += 1
         extra = 0 if exclude is None else exclude.shape[1]
         vectors = self.values[: self.num_rows]
         norms = self.norms[: self.num_rows]
@@ -479,7 +479,7 @@ class FeatureTable(RowStore):
             column[rows] = values[field][last]
         self.version[rows] = version
         self.last_write_time[rows] = now
-        self.counters["update_calls"] += 1
+        self.counters["update_shard_calls"] += 1
         self.counters["rows_updated"] += len(rows)
 
     def stats(self) -> dict[str, Any]:
