@@ -177,6 +177,11 @@ class KnowledgeBank:
         return len(self._shards)
 
     @property
+    def shard_workers(self) -> list[str | None]:
+        """Address of the worker holding each shard (None for in-process shards)."""
+        return list(self._shard_workers)
+
+    @property
     def distributed(self) -> bool:
         return self._client is not None
 
