@@ -74,12 +74,11 @@ def _as_matrix(values: Any, rows: int, width: int, name: str, dtype: Any = np.fl
                finite: bool = True) -> np.ndarray:
     """A [rows, width] array of ``dtype``; rejects wrong rank/shape, bool/object data, NaN/Inf."""
     array = np.asarray(values)
-    if array.dtype.kind not in "iuf" or (array.dtype.kind != "f" and np.dtype(dtype).kind == "f"
-                                         and array.dtype.kind not in "iu"):
-        raise TypeError(f"{name} must be a numeric array of shape [{rows}, {width}], "
-                        f"got dtype {array.dtype}")
-    if np.dtype(dtype).kind in "iu" and array.dtype.kind == "f":
-        raise TypeError(f"{name} must be an integer array of shape [{rows}, {width}], "
+    target = np.dtype(dtype)
+    accepted = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}[target.kind]
+    if array.dtype.kind not in accepted:
+        expected = {"f": "a numeric", "i": "an integer", "u": "an integer", "b": "a bool"}[target.kind]
+        raise TypeError(f"{name} must be {expected} array of shape [{rows}, {width}], "
                         f"got dtype {array.dtype}")
     if array.shape != (rows, width):
         raise ValueError(f"{name} must have shape [{rows}, {width}], got shape {array.shape}")
@@ -365,7 +364,7 @@ class KnowledgeBank:
     def update(self, table: str, keys: Any, values: Any, version: int = 0) -> None:
         """Write ``values`` ([n, dim] float, or {field: [n, width]}) for ``keys`` with the model
         ``version`` that computed them. Later duplicates win; cached gradients of the keys are
-        discarded."""
+        discarded. NaN/Inf values are rejected (ValueError) and nothing is written."""
         config = self._config(table)
         keys = _as_keys(keys)
         version = _as_int(version, "version")
@@ -412,10 +411,9 @@ class KnowledgeBank:
         """
         config = self._embedding_config(table, "nearest")
         queries = np.asarray(queries)
-        if queries.ndim == 1 and queries.shape[0] == config["dim"]:
+        if queries.ndim != 2:
             raise ValueError(f"queries must have shape [nq, {config['dim']}], got {queries.shape}")
-        queries = _as_matrix(queries, queries.shape[0] if queries.ndim == 2 else -1,
-                             config["dim"], "queries")
+        queries = _as_matrix(queries, queries.shape[0], config["dim"], "queries")
         k = _as_int(k, "k", minimum=1)
         metric = _choice(metric, "metric", METRICS)
         if exact not in (None, True, False):

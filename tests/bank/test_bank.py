@@ -250,6 +250,33 @@ def test_nearest_exclude_and_padding():
     assert near[0, 0] == 1 and (near[0, 3:] == -1).all() and np.isinf(scores[0, 3:]).all()
 
 
+def test_hnsw_sees_overwritten_rows_without_rebuild():
+    rng = np.random.default_rng(5)
+    kb = make_bank(num_shards=2, index="hnsw", index_metric="l2")
+    keys = np.arange(1, 3001)
+    kb.update("emb", keys, rng.normal(size=(3000, DIM)), version=0)
+    queries = rng.normal(size=(8, DIM)).astype(np.float32) * 10  # far from every stored row
+    before, _ = kb.nearest("emb", queries, k=3, metric="l2")  # builds the graphs
+    assert not np.isin(before, keys[:8]).any()
+    kb.update("emb", keys[:8], queries, version=1)  # 8 of 3000 rows move onto the queries
+    kb.update("emb", [5000], queries[:1] + 0.01, version=1)  # and a new row next to query 0
+    near, scores = kb.nearest("emb", queries, k=3, metric="l2")
+    np.testing.assert_array_equal(near[:, 0], keys[:8])
+    np.testing.assert_allclose(scores[:, 0], 0, atol=1e-4)
+    assert near[0, 1] == 5000
+    exact, _ = kb.nearest("emb", queries, k=3, metric="l2", exact=True)
+    np.testing.assert_array_equal(exact[:, :1], near[:, :1])
+
+
+def test_nearest_exclude_several_keys_per_query():
+    kb = make_bank(num_shards=2)
+    values, _ = kb.lookup("emb", np.arange(1, 101), insert_missing=True)
+    first, _ = kb.nearest("emb", values[:4], k=3, metric="cosine")
+    excluded, _ = kb.nearest("emb", values[:4], k=3, metric="cosine", exclude=first[:, :2])
+    np.testing.assert_array_equal(excluded[:, 0], first[:, 2])
+    assert not (excluded[:, :, None] == first[:, None, :2]).any()
+
+
 def test_sample_keys_exist_and_are_deterministic():
     kb = make_bank(num_shards=3)
     keys = np.arange(1000, 1300)
