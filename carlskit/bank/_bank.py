@@ -41,7 +41,7 @@ SNAPSHOT_VERSION = 1
 #: Short batch methods run on the worker's event loop (``separate_thread=False``): this saves a
 #: thread hand-off per call. Long ones (nearest, sample, stats, snapshots) keep Dask's actor thread.
 _ON_EVENT_LOOP = frozenset({"lookup", "update", "apply_gradients", "row_metadata", "ping",
-                            "table_configs", "flush"})
+                            "table_configs"})
 
 
 class ShardLostError(RuntimeError):
@@ -159,6 +159,7 @@ class KnowledgeBank:
                  clock: Callable[[], float] | None = None) -> None:
         num_shards = _as_int(num_shards, "num_shards", minimum=1)
         self._client = client
+        self._remote = client is not None
         self._configs: dict[str, dict[str, Any]] = {}
         self._shard_futures: list[Any] = []
         self._shard_workers: list[str | None] = [None] * num_shards
@@ -188,7 +189,7 @@ class KnowledgeBank:
 
     @property
     def distributed(self) -> bool:
-        return self._client is not None
+        return self._remote
 
     def _lost(self, index: int, error: BaseException) -> ShardLostError:
         where = f" on worker {self._shard_workers[index]}" if self._shard_workers[index] else ""
@@ -199,7 +200,7 @@ class KnowledgeBank:
 
     def _call(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
         """One call per shard in ``calls`` ({shard: args}); distributed calls run concurrently."""
-        if self._client is None:
+        if not self._remote:
             return {i: getattr(self._shards[i], method)(*args) for i, args in calls.items()}
         futures = {}
         options = {"separate_thread": False} if method in _ON_EVENT_LOOP else {}
@@ -557,8 +558,13 @@ class KnowledgeBank:
     # ------------------------------------------------------------------ sharing and lifetime
     def publish(self, name: str) -> None:
         """Make this (distributed) bank reachable by other processes: ``KnowledgeBank.attach``."""
+        if not self._remote or not self._shard_futures:
+            raise ValueError("publish needs the distributed bank (client=...) that created the "
+                             "shards, or one attached to them")
         if self._client is None:
-            raise ValueError("publish needs a distributed bank (client=...)")
+            from distributed import get_client
+
+            self._client = get_client()
         self._client.publish_dataset(**{name: {"shards": self._shard_futures,
                                                "workers": self._shard_workers}}, override=True)
 
@@ -566,13 +572,19 @@ class KnowledgeBank:
     def attach(cls, client: Any, name: str) -> "KnowledgeBank":
         """The bank published under ``name`` by another process, through ``client``."""
         handle = client.get_dataset(name)
-        bank = cls.__new__(cls)
-        bank._client = client
-        bank._configs = {}
-        bank._shard_futures = list(handle["shards"])
-        bank._shard_workers = list(handle["workers"])
-        bank._shards = [future.result() for future in bank._shard_futures]
+        futures = list(handle["shards"])
+        bank = _bank_from_actors([future.result() for future in futures], handle["workers"], {},
+                                 client)
+        bank._shard_futures = futures
         return bank
+
+    def __reduce__(self):
+        """A distributed bank pickles as handles to its actors (e.g. into a Dask task); the copy
+        uses the Dask client of the process that unpickles it."""
+        if not self._remote:
+            raise TypeError("an in-process KnowledgeBank cannot be pickled; create it with a "
+                            "Dask client to share it, or save() it and load() it elsewhere")
+        return (_bank_from_actors, (self._shards, self._shard_workers, self._configs))
 
     def close(self) -> None:
         """Release the shard actors (distributed) or drop the in-process shards."""
@@ -592,3 +604,18 @@ class KnowledgeBank:
         return (f"<b>KnowledgeBank</b> {self.num_shards} shard(s), "
                 f"{'distributed' if self.distributed else 'in-process'}"
                 f"<table><tr><th>table</th><th>kind</th><th>dim / fields</th></tr>{rows}</table>")
+
+
+def _bank_from_actors(actors: list[Any], workers: list[str | None],
+                      configs: dict[str, dict[str, Any]], client: Any = None) -> KnowledgeBank:
+    """A client object for existing shard actors (attach, unpickling). Unpickling may happen on a
+    worker's event loop, so the Dask client is looked up lazily (only ``publish`` needs it); the
+    actors find their worker or client themselves."""
+    bank = KnowledgeBank.__new__(KnowledgeBank)
+    bank._client = client
+    bank._remote = True
+    bank._configs = dict(configs)
+    bank._shard_futures = []
+    bank._shard_workers = list(workers)
+    bank._shards = list(actors)
+    return bank

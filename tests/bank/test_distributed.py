@@ -76,6 +76,26 @@ def test_distributed_matches_in_process(client):
     remote.close()
 
 
+def read_in_task(bank, keys):
+    values, found = bank.lookup("emb", keys)
+    bank.apply_gradients("emb", keys, np.zeros_like(values))
+    return values, found
+
+
+def test_bank_passed_into_a_dask_task(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    keys = fill(kb)[:50]
+    expected, _ = kb.lookup("emb", keys)
+    values, found = client.submit(read_in_task, kb, keys, pure=False).result()
+    assert found.all()
+    np.testing.assert_array_equal(values, expected)
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] >= 50
+    with pytest.raises(TypeError, match="in-process"):
+        import pickle
+        pickle.dumps(KnowledgeBank())
+    kb.close()
+
+
 def test_bad_batch_changes_no_shard(client, bank_contents, assert_same_contents):
     kb = KnowledgeBank(client, num_shards=2)
     keys = fill(kb)
