@@ -113,6 +113,15 @@ def _choice(value: Any, name: str, allowed: Sequence[str]) -> str:
     return value
 
 
+def _column_file_name(column: str) -> str:
+    """npz member name of a column: feature field ``field:ids`` is stored as ``field__ids``."""
+    return "field__" + column[len("field:"):] if column.startswith("field:") else column
+
+
+def _column_from_file_name(name: str) -> str:
+    return "field:" + name[len("field__"):] if name.startswith("field__") else name
+
+
 def _write_snapshot_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Write into a fresh sibling directory, then rename it onto ``path`` (old one removed last)."""
     path = Path(path)
@@ -513,7 +522,8 @@ class KnowledgeBank:
                     for key, value in export[name]["counters"].items():
                         counters[key] = counters.get(key, 0) + int(value)
                 file_name = f"table_{number:03d}.npz"
-                np.savez(directory / file_name, **{c.replace(":", "__"): a for c, a in arrays.items()})
+                np.savez(directory / file_name,
+                         **{_column_file_name(c): a for c, a in arrays.items()})
                 manifest["tables"].append({"name": name, "config": config, "file": file_name,
                                            "rows": int(len(arrays["keys"])), "counters": counters})
             with open(directory / "manifest.json", "w") as handle:
@@ -537,7 +547,7 @@ class KnowledgeBank:
         for entry in manifest["tables"]:
             config = entry["config"]
             with np.load(path / entry["file"], allow_pickle=False) as data:
-                arrays = {name.replace("__", ":"): data[name] for name in data.files}
+                arrays = {_column_from_file_name(name): data[name] for name in data.files}
             bank._create(entry["name"], config, max(1024, entry["rows"]))
             routes = bank._route(arrays["keys"])
             pending_routes = dict(bank._route(arrays["pending_keys"])) if "pending_keys" in arrays else {}

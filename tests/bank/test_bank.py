@@ -315,7 +315,7 @@ def test_string_keys():
 def test_save_load_roundtrip_any_shard_count(tmp_path, clock, optimizer, load_shards,
                                              bank_contents, assert_same_contents):
     kb = make_bank(clock, num_shards=2, optimizer=optimizer, max_pending=100)
-    kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2), "odd__name": ("bool", 1)})
     keys = np.arange(1, 301)
     kb.lookup("emb", keys, insert_missing=True)
     kb.update("emb", keys[:100], np.full((100, DIM), 0.5), version=3)
@@ -323,7 +323,7 @@ def test_save_load_roundtrip_any_shard_count(tmp_path, clock, optimizer, load_sh
     kb.lookup("emb", keys[50:80])  # applies some, leaves the rest pending
     clock.now += 1
     kb.apply_gradients("emb", keys[60:70], np.full((10, DIM), 2.0))
-    kb.update("nbrs", [5], {"ids": [[1, 2]]}, version=9)
+    kb.update("nbrs", [5], {"ids": [[1, 2]], "odd__name": [[True]]}, version=9)
     before = bank_contents(kb)
     kb.save(tmp_path / "a")
     restored = KnowledgeBank.load(tmp_path / "a", num_shards=load_shards, clock=clock)
