@@ -1,0 +1,185 @@
+"""KnowledgeBank benchmark: lookup vs numpy, nearest vs faiss, distributed throughput, memory.
+
+Run from the repo root: ``python benchmarks/kb.py`` (1,000,000 x 64 table) or ``--small``
+(or CARLSKIT_SMALL=1: 100,000 rows). Prints progress, then ONE JSON object as the last line.
+Every ratio compares against a baseline measured in the same process on the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from carlskit.bank import KnowledgeBank  # noqa: E402
+
+DIM = 64
+BATCH = 4096
+
+
+def resident_bytes() -> int:
+    """VmRSS after returning freed heap pages to the OS (glibc malloc_trim), in bytes."""
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def median_seconds(function, repeats: int) -> float:
+    function()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        function()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def side_by_side(baseline, candidate, repeats: int) -> tuple[float, float]:
+    """Median seconds of two functions measured in alternation (fair under noisy neighbours)."""
+    baseline(), candidate()
+    base, cand = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        baseline()
+        base.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        candidate()
+        cand.append(time.perf_counter() - start)
+    return statistics.median(base), statistics.median(cand)
+
+
+def make_chunks(num_rows: int, chunk: int = 100_000):
+    rng = np.random.default_rng(0)
+    keys = rng.choice(np.int64(1) << 40, size=num_rows, replace=False).astype(np.int64)
+    for start in range(0, num_rows, chunk):
+        yield keys[start:start + chunk], rng.standard_normal(
+            (min(chunk, num_rows - start), DIM), dtype=np.float32)
+
+
+def in_process(num_rows: int, repeats: int) -> dict:
+    results: dict = {}
+    rss_before = resident_bytes()
+    kb = KnowledgeBank()
+    kb.create_table("emb", dim=DIM, initializer="zeros")
+    all_keys = []
+    for keys, values in make_chunks(num_rows):
+        kb.update("emb", keys, values, version=0)
+        all_keys.append(keys)
+        del values
+    all_keys = np.concatenate(all_keys)
+    raw_bytes = num_rows * DIM * 4
+    results["memory_ratio"] = (resident_bytes() - rss_before) / raw_bytes
+    results["memory_ratio_accounted"] = kb.stats()["tables"]["emb"]["resident_bytes"] / raw_bytes
+    print(f"filled {num_rows} rows; memory ratio {results['memory_ratio']:.3f}", flush=True)
+
+    raw = np.concatenate([values for _, values in make_chunks(num_rows)])  # same data, same order
+    rng = np.random.default_rng(1)
+    positions = rng.integers(0, num_rows, BATCH)
+    keys = all_keys[positions]
+    assert np.array_equal(kb.lookup("emb", keys)[0], raw[positions])
+    t_numpy, t_bank = side_by_side(lambda: raw[positions], lambda: kb.lookup("emb", keys), repeats)
+    results.update(lookup_numpy_ms=t_numpy * 1e3, lookup_bank_ms=t_bank * 1e3,
+                   lookup_vs_numpy=t_numpy / t_bank)
+    results["inprocess_call_overhead_us"] = median_seconds(
+        lambda: kb.lookup("emb", keys[:1]), repeats) * 1e6
+    print(f"lookup: numpy {t_numpy * 1e3:.3f} ms, bank {t_bank * 1e3:.3f} ms", flush=True)
+
+    import faiss
+    index = faiss.IndexFlatIP(DIM)
+    index.add(raw)
+    queries = rng.standard_normal((256, DIM), dtype=np.float32)
+    expected = all_keys[index.search(queries, 10)[1]]
+    got = kb.nearest("emb", queries, k=10, metric="dot")[0]
+    results["nearest_agreement"] = float((got == expected).mean())
+    nearest_repeats = max(3, repeats // 40)
+    t_faiss, t_near = side_by_side(lambda: index.search(queries, 10),
+                                   lambda: kb.nearest("emb", queries, k=10), nearest_repeats)
+    results.update(nearest_faiss_ms=t_faiss * 1e3, nearest_bank_ms=t_near * 1e3,
+                   nearest_vs_faiss=t_faiss / t_near)
+    print(f"nearest: faiss {t_faiss * 1e3:.1f} ms, bank {t_near * 1e3:.1f} ms", flush=True)
+    return results
+
+
+def distributed_mode(num_rows: int, calls: int) -> dict:
+    from distributed import Client, LocalCluster
+
+    results: dict = {}
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      os.environ.get("PYTHONPATH")]))
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, \
+            Client(cluster, direct_to_workers=True) as client:
+        kb = KnowledgeBank(client, num_shards=2)
+        kb.create_table("emb", dim=DIM, initializer="zeros", capacity=num_rows)
+        all_keys = []
+        for keys, values in make_chunks(num_rows, chunk=50_000):
+            kb.update("emb", keys, values, version=0)
+            all_keys.append(keys)
+        all_keys = np.concatenate(all_keys)
+        rng = np.random.default_rng(2)
+        batches = [all_keys[rng.integers(0, num_rows, BATCH)] for _ in range(calls)]
+        gradients = rng.standard_normal((BATCH, DIM), dtype=np.float32) * np.float32(1e-3)
+        print(f"distributed: filled {num_rows} rows on 2 workers", flush=True)
+
+        def rows_per_second(call) -> float:
+            call(batches[0])
+            start = time.perf_counter()
+            for batch in batches:
+                call(batch)
+            return calls * BATCH / (time.perf_counter() - start)
+
+        results["dist_lookup_rows_per_s"] = rows_per_second(lambda b: kb.lookup("emb", b))
+        results["dist_apply_gradients_rows_per_s"] = rows_per_second(
+            lambda b: kb.apply_gradients("emb", b, gradients))
+        # lookups that also apply (flush) the gradients cached by the previous step
+        results["dist_lookup_with_flush_rows_per_s"] = rows_per_second(lambda b: kb.lookup("emb", b))
+        one = all_keys[:1]
+        results["dist_call_overhead_ms"] = median_seconds(lambda: kb.lookup("emb", one), 50) * 1e3
+        two = all_keys[[0, 1, 2, 3, 4, 5, 6, 7]]  # almost surely touches both shards
+        results["dist_two_shard_call_overhead_ms"] = median_seconds(
+            lambda: kb.lookup("emb", two), 50) * 1e3
+        stats = kb.stats()["tables"]["emb"]
+        results["dist_pending_after_bench"] = stats["pending_gradients"]
+        kb.close()
+    print(f"distributed: lookup {results['dist_lookup_rows_per_s']:.3g} rows/s, "
+          f"apply_gradients {results['dist_apply_gradients_rows_per_s']:.3g} rows/s", flush=True)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--small", action="store_true", help="100k rows, fewer repeats")
+    args = parser.parse_args()
+    small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
+    num_rows = 100_000 if small else 1_000_000
+    repeats = 50 if small else 200
+    results = {"rows": num_rows, "dim": DIM, "batch": BATCH, "cpu_count": os.cpu_count()}
+    results.update(in_process(num_rows, repeats))
+    results.update(distributed_mode(num_rows, calls=30 if small else 150))
+    results["targets_met"] = {
+        "lookup_vs_numpy>=0.5": results["lookup_vs_numpy"] >= 0.5,
+        "nearest_vs_faiss>=0.8": results["nearest_vs_faiss"] >= 0.8,
+        "dist_lookup_rows_per_s>=1e6": results["dist_lookup_rows_per_s"] >= 1e6,
+        "dist_apply_gradients_rows_per_s>=5e5": results["dist_apply_gradients_rows_per_s"] >= 5e5,
+        "memory_ratio<=1.5": results["memory_ratio"] <= 1.5,
+    }
+    print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

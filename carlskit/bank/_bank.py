@@ -1,0 +1,631 @@
+"""KnowledgeBank: the client of a sharded store of embeddings and feature records (CARLS 3.2).
+
+The client validates every batch completely, routes keys to shards by
+``splitmix64(key) mod num_shards`` and makes exactly one call per shard per batch. Without a Dask
+client the shards are plain objects in this process; with one, each shard is a Dask actor pinned to
+a worker (round robin over the cluster's workers) and the calls to different shards are issued
+together, then awaited, so shards work concurrently.
+
+Lazy gradient updates follow the CARLS rule documented in :mod:`carlskit.bank._lazy`: gradients
+for a key are cached until (a) the key is looked up, (b) it has ``max_pending`` cached gradients,
+or (c) its oldest cached gradient is older than ``pending_ttl_seconds`` (checked at the start of
+every call that reaches the key's shard, and by :meth:`KnowledgeBank.flush`). Then: drop NaN/Inf
+gradients; if >= 3 remain drop those with ``norm > median + outlier_threshold * 1.4826 * MAD``;
+average the rest and take one ``sgd`` (v -= lr g) or ``adagrad`` (a += g^2; v -= lr g /
+sqrt(a + eps)) step. An ``update`` of a key discards its cached gradients (they were computed
+against the value being replaced; counted as ``discarded_by_update``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ._hashing import key_from_string, shard_of
+from ._nearest import METRICS, top_k
+from ._shard import _Shard
+
+INITIALIZERS = ("zeros", "normal", "uniform")
+OPTIMIZERS = ("sgd", "adagrad")
+INDEXES = ("flat", "hnsw")
+SNAPSHOT_FORMAT = "carlskit.KnowledgeBank"
+SNAPSHOT_VERSION = 1
+#: Short batch methods run on the worker's event loop (``separate_thread=False``): this saves a
+#: thread hand-off per call. Long ones (nearest, sample, stats, snapshots) keep Dask's actor thread.
+_ON_EVENT_LOOP = frozenset({"lookup", "update", "apply_gradients", "row_metadata", "ping",
+                            "table_configs"})
+
+
+class ShardLostError(RuntimeError):
+    """A shard's actor (or its worker) is gone; restore with ``KnowledgeBank.load(snapshot)``."""
+
+
+# ----------------------------------------------------------------------------- validation helpers
+def _as_keys(keys: Any, name: str = "keys") -> np.ndarray:
+    """int64 [n] keys; strings are mapped with :func:`key_from_string`; -1 is rejected."""
+    array = np.asarray(keys)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must have shape [n], got shape {array.shape}")
+    if array.dtype.kind in "UO" and len(array):
+        if not all(isinstance(item, str) for item in array.tolist()):
+            raise TypeError(f"{name} must be int64 ids or strings, got objects")
+        return key_from_string(array.tolist())
+    if len(array) == 0 and array.dtype.kind not in "iu":
+        array = array.astype(np.int64)
+    if array.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be integer ids (int64) of shape [n], got dtype {array.dtype}")
+    if array.dtype == np.uint64 and len(array) and array.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"{name} must fit in int64")
+    array = np.ascontiguousarray(array, dtype=np.int64)
+    if (array == -1).any():
+        raise ValueError(f"{name} contains -1, which is reserved for 'no key'")
+    return array
+
+
+def _as_matrix(values: Any, rows: int, width: int, name: str, dtype: Any = np.float32,
+               finite: bool = True) -> np.ndarray:
+    """A [rows, width] array of ``dtype``; rejects wrong rank/shape, bool/object data, NaN/Inf."""
+    array = np.asarray(values)
+    target = np.dtype(dtype)
+    accepted = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}[target.kind]
+    if array.dtype.kind not in accepted:
+        expected = {"f": "a numeric", "i": "an integer", "u": "an integer", "b": "a bool"}[target.kind]
+        raise TypeError(f"{name} must be {expected} array of shape [{rows}, {width}], "
+                        f"got dtype {array.dtype}")
+    if array.shape != (rows, width):
+        raise ValueError(f"{name} must have shape [{rows}, {width}], got shape {array.shape}")
+    array = np.ascontiguousarray(array, dtype=dtype)
+    if finite and array.dtype.kind == "f" and not np.isfinite(array).all():
+        raise ValueError(f"{name} contains NaN or Inf (shape [{rows}, {width}])")
+    return array
+
+
+def _as_int(value: Any, name: str, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def _as_float(value: Any, name: str, positive: bool = False, allow_inf: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0 or value < 0:
+        raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value}")
+    return value
+
+
+def _choice(value: Any, name: str, allowed: Sequence[str]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _column_file_name(column: str) -> str:
+    """npz member name of a column: feature field ``field:ids`` is stored as ``field__ids``."""
+    return "field__" + column[len("field:"):] if column.startswith("field:") else column
+
+
+def _column_from_file_name(name: str) -> str:
+    return "field:" + name[len("field__"):] if name.startswith("field__") else name
+
+
+def _write_snapshot_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Write into a fresh sibling directory, then rename it onto ``path`` (old one removed last)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
+    tmp.mkdir()
+    try:
+        write(tmp)
+        for child in tmp.iterdir():
+            with open(child, "rb") as handle:
+                os.fsync(handle.fileno())
+        if path.exists():
+            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+class KnowledgeBank:
+    """A sharded store of embeddings and feature records shared by trainers and makers.
+
+    ``KnowledgeBank(client=None, num_shards=1)``: without a Dask client every shard lives in this
+    process; with one, shard i is a Dask actor on worker ``i mod n_workers``. A client made with
+    ``Client(..., direct_to_workers=True)`` sends shard calls straight to the workers instead of
+    through the scheduler (lower latency per call). Keys are int64 ids
+    (-1 is reserved for "no key"); string keys are mapped by :func:`key_from_string`
+    (blake2b, 63 bits). Initial values are a function of (seed, key) only, so every shard and
+    restart agrees. Per row the bank keeps the version of the last ``update``, the time of the last
+    write and a lookup count (:meth:`row_metadata`).
+
+    Args:
+      client: a ``distributed.Client`` or None (in-process shards).
+      num_shards: number of shards; keys go to shard ``splitmix64(key) mod num_shards``.
+      clock: seconds-returning callable used for write times and ttl flushes (default
+        ``time.time``); a deterministic clock makes ttl tests exact.
+    """
+
+    def __init__(self, client: Any = None, num_shards: int = 1, *,
+                 clock: Callable[[], float] | None = None) -> None:
+        num_shards = _as_int(num_shards, "num_shards", minimum=1)
+        self._client = client
+        self._remote = client is not None
+        self._configs: dict[str, dict[str, Any]] = {}
+        self._shard_futures: list[Any] = []
+        self._shard_workers: list[str | None] = [None] * num_shards
+        if client is None:
+            self._shards: list[Any] = [_Shard(i, num_shards, clock) for i in range(num_shards)]
+        else:
+            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            if not workers:
+                raise ValueError("client has no workers to host the bank's shards")
+            self._shard_workers = [workers[i % len(workers)] for i in range(num_shards)]
+            self._shard_futures = [
+                client.submit(_Shard, i, num_shards, clock, actor=True, workers=[worker],
+                              allow_other_workers=False, pure=False)
+                for i, worker in enumerate(self._shard_workers)
+            ]
+            self._shards = [future.result() for future in self._shard_futures]
+
+    # ------------------------------------------------------------------ shard calls
+    @property
+    def num_shards(self) -> int:
+        return len(self._shards)
+
+    @property
+    def shard_workers(self) -> list[str | None]:
+        """Address of the worker holding each shard (None for in-process shards)."""
+        return list(self._shard_workers)
+
+    @property
+    def distributed(self) -> bool:
+        return self._remote
+
+    def _lost(self, index: int, error: BaseException) -> ShardLostError:
+        where = f" on worker {self._shard_workers[index]}" if self._shard_workers[index] else ""
+        return ShardLostError(
+            f"shard {index} of {self.num_shards}{where} is unreachable ({type(error).__name__}: "
+            f"{error}); its rows are lost: restore the bank with KnowledgeBank.load(<last "
+            f"snapshot>, client)")
+
+    def _call(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
+        """One call per shard in ``calls`` ({shard: args}); distributed calls run concurrently."""
+        if not self._remote:
+            return {i: getattr(self._shards[i], method)(*args) for i, args in calls.items()}
+        futures = {}
+        options = {"separate_thread": False} if method in _ON_EVENT_LOOP else {}
+        for i, args in calls.items():
+            try:
+                futures[i] = getattr(self._shards[i], method)(*args, **options)
+            except (OSError, RuntimeError, KeyError) as error:
+                raise self._lost(i, error) from error
+        results = {}
+        for i, future in futures.items():
+            try:
+                results[i] = future.result()
+            except (ValueError, TypeError) as error:
+                if "lost" in str(error).lower() or "worker" in str(error).lower():
+                    raise self._lost(i, error) from error
+                raise
+            except (OSError, RuntimeError, KeyError) as error:
+                raise self._lost(i, error) from error
+            except Exception as error:  # CancelledError and friends from the comm layer
+                if type(error).__module__.startswith(("distributed", "asyncio", "concurrent")):
+                    raise self._lost(i, error) from error
+                raise
+        return results
+
+    def _call_all(self, method: str, *args: Any) -> list[Any]:
+        results = self._call(method, {i: args for i in range(self.num_shards)})
+        return [results[i] for i in range(self.num_shards)]
+
+    def _route(self, keys: np.ndarray) -> list[tuple[int, np.ndarray | None]]:
+        """[(shard, positions of its keys)]; positions None means every key (single shard)."""
+        if self.num_shards == 1:
+            return [(0, None)]
+        shard = shard_of(keys, self.num_shards)
+        order = np.argsort(shard, kind="stable")
+        bounds = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
+        return [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_shards)
+                if bounds[s + 1] > bounds[s]]
+
+    def _config(self, table: Any) -> dict[str, Any]:
+        if not isinstance(table, str):
+            raise TypeError(f"table must be a table name (str), got {type(table).__name__}")
+        if table not in self._configs:
+            self._configs.update(self._call("table_configs", {0: ()})[0])  # created elsewhere?
+        if table not in self._configs:
+            raise ValueError(f"unknown table {table!r}; tables: {sorted(self._configs)}")
+        return self._configs[table]
+
+    def _embedding_config(self, table: str, operation: str) -> dict[str, Any]:
+        config = self._config(table)
+        if config["kind"] != "embedding":
+            raise ValueError(f"{operation} needs an embedding table; {table!r} is a feature table")
+        return config
+
+    # ------------------------------------------------------------------ tables
+    def _create(self, name: str, config: dict[str, Any], capacity: int = 1024) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        if name in self._configs or name in self._call("table_configs", {0: ()})[0]:
+            raise ValueError(f"table {name!r} already exists")
+        per_shard = max(16, -(-capacity // self.num_shards))
+        self._call_all("create_table", name, config, per_shard)
+        self._configs[name] = config
+
+    def create_table(self, name: str, dim: int, initializer: str = "normal", seed: int = 0, *,
+                     init_scale: float | None = None, optimizer: str = "sgd",
+                     learning_rate: float = 0.1, initial_accumulator_value: float = 0.1,
+                     epsilon: float = 1e-7, max_pending: int = 16,
+                     pending_ttl_seconds: float = 60.0, outlier_threshold: float = 3.0,
+                     index: str = "flat", index_metric: str = "dot", hnsw_m: int = 32,
+                     hnsw_ef_search: int = 64, capacity: int = 1024) -> None:
+        """Create an embedding table of float32 rows of size ``dim``.
+
+        Args:
+          initializer: ``zeros`` | ``normal`` (N(0, init_scale^2)) | ``uniform``
+            (U(-init_scale, init_scale)); ``init_scale`` defaults to 1/sqrt(dim). Deterministic in
+            (seed, key).
+          optimizer: ``sgd`` (v -= lr g) or ``adagrad`` (a += g^2; v -= lr g / sqrt(a + epsilon),
+            a starting at ``initial_accumulator_value``), applied to averaged cached gradients.
+          max_pending, pending_ttl_seconds, outlier_threshold: the lazy update rule (module doc).
+          index: ``flat`` (exact only) or ``hnsw`` (approximate search for ``index_metric``,
+            kept current incrementally; exact search stays available with ``exact=True``).
+          capacity: expected rows (preallocation hint only).
+        """
+        dim = _as_int(dim, "dim", minimum=1)
+        config = {
+            "kind": "embedding", "dim": dim,
+            "initializer": _choice(initializer, "initializer", INITIALIZERS),
+            "seed": _as_int(seed, "seed"),
+            "init_scale": (1.0 / math.sqrt(dim) if init_scale is None
+                           else _as_float(init_scale, "init_scale")),
+            "optimizer": _choice(optimizer, "optimizer", OPTIMIZERS),
+            "learning_rate": _as_float(learning_rate, "learning_rate", positive=True),
+            "initial_accumulator_value": _as_float(initial_accumulator_value,
+                                                   "initial_accumulator_value"),
+            "epsilon": _as_float(epsilon, "epsilon", positive=True),
+            "max_pending": _as_int(max_pending, "max_pending", minimum=1),
+            "pending_ttl_seconds": _as_float(pending_ttl_seconds, "pending_ttl_seconds",
+                                             allow_inf=True),
+            "outlier_threshold": _as_float(outlier_threshold, "outlier_threshold", positive=True),
+            "index": _choice(index, "index", INDEXES),
+            "index_metric": _choice(index_metric, "index_metric", METRICS),
+            "hnsw_m": _as_int(hnsw_m, "hnsw_m", minimum=2),
+            "hnsw_ef_search": _as_int(hnsw_ef_search, "hnsw_ef_search", minimum=1),
+        }
+        self._create(name, config, _as_int(capacity, "capacity", minimum=1))
+
+    def create_feature_table(self, name: str, schema: dict[str, tuple[str, int]], *,
+                             capacity: int = 1024) -> None:
+        """Create a table of fixed-width records, e.g. ``{"ids": ("int64", 32), "weights":
+        ("float32", 32)}``. Absent fields read as -1 (integers), 0 (floats) or False (bool)."""
+        if not isinstance(schema, dict) or not schema:
+            raise ValueError("schema must be a non-empty dict {field: (dtype, width)}")
+        clean = {}
+        for field, spec in schema.items():
+            if not isinstance(field, str) or not field:
+                raise ValueError(f"schema field names must be non-empty str, got {field!r}")
+            if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+                raise ValueError(f"schema[{field!r}] must be (dtype, width), got {spec!r}")
+            try:
+                dtype = np.dtype(spec[0])
+            except TypeError as error:
+                raise ValueError(f"schema[{field!r}] has an unknown dtype {spec[0]!r}") from error
+            if dtype.kind not in "iufb":
+                raise ValueError(f"schema[{field!r}] dtype must be numeric or bool, got {dtype}")
+            clean[field] = [dtype.name, _as_int(spec[1], f"schema[{field!r}] width", minimum=1)]
+        self._create(name, {"kind": "feature", "schema": clean},
+                     _as_int(capacity, "capacity", minimum=1))
+
+    @property
+    def tables(self) -> dict[str, dict[str, Any]]:
+        """Configuration of every table (a copy)."""
+        self._configs.update(self._call("table_configs", {0: ()})[0])
+        return {name: dict(config) for name, config in self._configs.items()}
+
+    # ------------------------------------------------------------------ data path
+    def lookup(self, table: str, keys: Any, insert_missing: bool = False):
+        """Values of ``keys``: (float32 [n, dim], found bool [n]) for embedding tables,
+        ({field: [n, width]}, found) for feature tables. Flushes the keys' cached gradients first.
+        Absent keys read as zeros (fill values) unless ``insert_missing`` inserts them with their
+        initial value; ``found`` says whether each key existed before the call."""
+        config = self._config(table)
+        keys = _as_keys(keys)
+        routes = self._route(keys)
+        results = self._call("lookup", {s: (table, keys if pos is None else keys[pos],
+                                            bool(insert_missing)) for s, pos in routes})
+        if routes[0][1] is None:
+            return results[0]
+        found = np.empty(len(keys), dtype=bool)
+        if config["kind"] == "embedding":
+            values = np.empty((len(keys), config["dim"]), np.float32)
+            for s, pos in routes:
+                values[pos], found[pos] = results[s]
+            return values, found
+        values = {field: np.empty((len(keys), width), np.dtype(dtype))
+                  for field, (dtype, width) in config["schema"].items()}
+        for s, pos in routes:
+            shard_values, found[pos] = results[s]
+            for field in values:
+                values[field][pos] = shard_values[field]
+        return values, found
+
+    def update(self, table: str, keys: Any, values: Any, version: int = 0) -> None:
+        """Write ``values`` ([n, dim] float, or {field: [n, width]}) for ``keys`` with the model
+        ``version`` that computed them. Later duplicates win; cached gradients of the keys are
+        discarded. NaN/Inf values are rejected (ValueError) and nothing is written."""
+        config = self._config(table)
+        keys = _as_keys(keys)
+        version = _as_int(version, "version")
+        if config["kind"] == "embedding":
+            values = _as_matrix(values, len(keys), config["dim"], "values")
+            pick = lambda v, pos: v[pos]  # noqa: E731
+        else:
+            if not isinstance(values, dict) or set(values) != set(config["schema"]):
+                raise ValueError(f"values must be a dict with fields {sorted(config['schema'])}")
+            values = {field: _as_matrix(values[field], len(keys), width, f"values[{field!r}]",
+                                        dtype=np.dtype(dtype))
+                      for field, (dtype, width) in config["schema"].items()}
+            pick = lambda v, pos: {f: a[pos] for f, a in v.items()}  # noqa: E731
+        routes = self._route(keys)
+        self._call("update", {s: (table, keys, values, version) if pos is None else
+                              (table, keys[pos], pick(values, pos), version) for s, pos in routes})
+
+    def apply_gradients(self, table: str, keys: Any, gradients: Any) -> None:
+        """Cache gradients ([n, dim]) for ``keys``; they are applied lazily (module docstring):
+        averaged with NaN/Inf and outlier gradients dropped, then one optimizer step per key.
+        Keys not yet present are inserted with their initial value."""
+        config = self._embedding_config(table, "apply_gradients")
+        keys = _as_keys(keys)
+        gradients = _as_matrix(gradients, len(keys), config["dim"], "gradients", finite=False)
+        routes = self._route(keys)
+        self._call("apply_gradients", {s: (table, keys, gradients) if pos is None else
+                                       (table, keys[pos], gradients[pos]) for s, pos in routes})
+
+    def flush(self, table: str | None = None) -> None:
+        """Apply every cached gradient now (of one table, or of all)."""
+        if table is not None:
+            self._embedding_config(table, "flush")
+        self._call_all("flush", table)
+
+    def nearest(self, table: str, queries: Any, k: int = 10, metric: str = "dot", *,
+                exclude: Any = None, exact: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k keys and scores per query ([nq, k] int64, [nq, k] float32), best first.
+
+        ``dot``: <q, v>; ``cosine``: <q, v>/(|q||v|) (larger is better); ``l2``: |q - v|^2
+        (smaller is better). Exact by default (faiss flat kNN per shard, merged); a table created
+        with ``index="hnsw"`` answers approximately for its ``index_metric`` unless
+        ``exact=True``. ``exclude``: keys to drop, [nq] (e.g. the query's own key) or [nq, m];
+        -1 entries exclude nothing. Missing results: key -1. Reflects every write so far.
+        """
+        config = self._embedding_config(table, "nearest")
+        queries = np.asarray(queries)
+        if queries.ndim != 2:
+            raise ValueError(f"queries must have shape [nq, {config['dim']}], got {queries.shape}")
+        queries = _as_matrix(queries, queries.shape[0], config["dim"], "queries")
+        k = _as_int(k, "k", minimum=1)
+        metric = _choice(metric, "metric", METRICS)
+        if exact not in (None, True, False):
+            raise TypeError("exact must be None, True or False")
+        if exclude is not None:
+            exclude = np.asarray(exclude)
+            if exclude.ndim == 1:
+                exclude = exclude[:, None]
+            if exclude.ndim != 2 or exclude.shape[0] != len(queries) or exclude.dtype.kind not in "iu":
+                raise ValueError(f"exclude must be int keys of shape [{len(queries)}] or "
+                                 f"[{len(queries)}, m], got {exclude.dtype} {exclude.shape}")
+            exclude = exclude.astype(np.int64)
+        results = self._call_all("nearest", table, queries, k, metric, exclude, exact)
+        if len(results) == 1:
+            return results[0]
+        keys = np.concatenate([r[0] for r in results], axis=1)
+        scores = np.concatenate([r[1] for r in results], axis=1)
+        return top_k(keys, scores, k, metric)
+
+    def sample(self, table: str, n: int, seed: int = 0) -> np.ndarray:
+        """``n`` keys drawn uniformly with replacement from all rows (e.g. contrastive negatives);
+        deterministic in ``seed`` for a given bank content and sharding."""
+        self._config(table)
+        n = _as_int(n, "n", minimum=0)
+        seed = _as_int(seed, "seed", minimum=0)
+        results = self._call_all("sample", table, n, seed)
+        counts = np.array([count for _, count in results], dtype=np.float64)
+        if counts.sum() == 0:
+            raise ValueError(f"cannot sample from the empty table {table!r}")
+        shard = np.random.default_rng(seed).choice(self.num_shards, size=n, p=counts / counts.sum())
+        out = np.empty(n, dtype=np.int64)
+        for s, (keys, _) in enumerate(results):
+            chosen = shard == s
+            out[chosen] = keys[: int(chosen.sum())]
+        return out
+
+    def row_metadata(self, table: str, keys: Any) -> dict[str, np.ndarray]:
+        """Per key: ``found``, ``version`` (of the last update, -1 if none), ``last_write_time``
+        (seconds, NaN if absent) and ``lookup_count``; one call per shard. Counts no lookup."""
+        self._config(table)
+        keys = _as_keys(keys)
+        routes = self._route(keys)
+        results = self._call("row_metadata", {s: (table, keys if pos is None else keys[pos])
+                                              for s, pos in routes})
+        if routes[0][1] is None:
+            return results[0]
+        out = {name: np.empty(len(keys), dtype=array.dtype)
+               for name, array in results[routes[0][0]].items()}
+        for s, pos in routes:
+            for name, array in results[s].items():
+                out[name][pos] = array
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """Per table, summed over shards: rows (and ``rows_per_shard``), ``pending_gradients``,
+        ``pending_keys``, ``min_version``/``max_version``, ``*_shard_calls`` (a batch that touches
+        two shards counts two), rows looked up / inserted / updated, gradients received / applied,
+        ``dropped_nonfinite``, ``dropped_outliers``, ``discarded_by_update``, ``optimizer_steps``,
+        ``resident_bytes``."""
+        per_shard = self._call_all("stats")
+        tables: dict[str, Any] = {}
+        for shard_stats in per_shard:
+            for name, stats in shard_stats.items():
+                total = tables.setdefault(name, {"rows_per_shard": []})
+                total["rows_per_shard"].append(stats["rows"])
+                for key, value in stats.items():
+                    if key in ("min_version", "max_version"):
+                        if value is not None:
+                            pick = min if key == "min_version" else max
+                            old = total.get(key)
+                            total[key] = value if old is None else pick(old, value)
+                        else:
+                            total.setdefault(key, None)
+                    else:
+                        total[key] = total.get(key, 0) + value
+        return {"num_shards": self.num_shards, "distributed": self.distributed, "tables": tables}
+
+    # ------------------------------------------------------------------ snapshots
+    def save(self, path: str | os.PathLike) -> None:
+        """Write a snapshot directory: ``manifest.json`` plus one ``table_NNN.npz`` per table
+        (values, versions, write times, lookup counts, optimizer state, pending gradients),
+        no pickle; written to a temporary sibling then renamed onto ``path``."""
+        exports = self._call_all("export_tables")
+        configs = self.tables
+        manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION,
+                                    "saved_at": time.time(), "num_shards": self.num_shards,
+                                    "tables": []}
+
+        def write(directory: Path) -> None:
+            for number, (name, config) in enumerate(sorted(configs.items())):
+                parts = [export[name]["arrays"] for export in exports]
+                arrays = {column: np.concatenate([part[column] for part in parts])
+                          for column in parts[0]}
+                counters: dict[str, int] = {}
+                for export in exports:
+                    for key, value in export[name]["counters"].items():
+                        counters[key] = counters.get(key, 0) + int(value)
+                file_name = f"table_{number:03d}.npz"
+                np.savez(directory / file_name,
+                         **{_column_file_name(c): a for c, a in arrays.items()})
+                manifest["tables"].append({"name": name, "config": config, "file": file_name,
+                                           "rows": int(len(arrays["keys"])), "counters": counters})
+            with open(directory / "manifest.json", "w") as handle:
+                json.dump(manifest, handle, indent=1)
+
+        _write_snapshot_atomically(Path(path), write)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, client: Any = None, num_shards: int | None = None, *,
+             clock: Callable[[], float] | None = None) -> "KnowledgeBank":
+        """Restore a snapshot into ``num_shards`` shards (default: as saved), in-process or on
+        ``client``'s workers: values, versions, write times, lookup counts, optimizer state and
+        pending gradients exactly as saved."""
+        path = Path(path)
+        with open(path / "manifest.json") as handle:
+            manifest = json.load(handle)
+        if manifest.get("format") != SNAPSHOT_FORMAT:
+            raise ValueError(f"path {path} is not a KnowledgeBank snapshot")
+        bank = cls(client, manifest["num_shards"] if num_shards is None else num_shards,
+                   clock=clock)
+        for entry in manifest["tables"]:
+            config = entry["config"]
+            with np.load(path / entry["file"], allow_pickle=False) as data:
+                arrays = {_column_from_file_name(name): data[name] for name in data.files}
+            bank._create(entry["name"], config, max(1024, entry["rows"]))
+            routes = bank._route(arrays["keys"])
+            pending_routes = dict(bank._route(arrays["pending_keys"])) if "pending_keys" in arrays else {}
+            payload = {}
+            for s, pos in routes:
+                part = {c: a for c, a in arrays.items() if not c.startswith("pending_")}
+                if pos is not None:
+                    part = {c: a[pos] for c, a in part.items()}
+                if "pending_keys" in arrays and (pending_routes.get(s) is not None or bank.num_shards == 1):
+                    ppos = pending_routes.get(s)
+                    for c in ("pending_keys", "pending_gradients", "pending_times"):
+                        part[c] = arrays[c] if ppos is None else arrays[c][ppos]
+                payload[s] = (entry["name"], part, entry["counters"] if s == routes[0][0] else None)
+            if payload:
+                bank._call("import_table", payload)
+        return bank
+
+    # ------------------------------------------------------------------ sharing and lifetime
+    def publish(self, name: str) -> None:
+        """Make this (distributed) bank reachable by other processes: ``KnowledgeBank.attach``."""
+        if not self._remote or not self._shard_futures:
+            raise ValueError("publish needs the distributed bank (client=...) that created the "
+                             "shards, or one attached to them")
+        if self._client is None:
+            from distributed import get_client
+
+            self._client = get_client()
+        self._client.publish_dataset(**{name: {"shards": self._shard_futures,
+                                               "workers": self._shard_workers}}, override=True)
+
+    @classmethod
+    def attach(cls, client: Any, name: str) -> "KnowledgeBank":
+        """The bank published under ``name`` by another process, through ``client``."""
+        handle = client.get_dataset(name)
+        futures = list(handle["shards"])
+        bank = _bank_from_actors([future.result() for future in futures], handle["workers"], {},
+                                 client)
+        bank._shard_futures = futures
+        return bank
+
+    def __reduce__(self):
+        """A distributed bank pickles as handles to its actors (e.g. into a Dask task); the copy
+        uses the Dask client of the process that unpickles it."""
+        if not self._remote:
+            raise TypeError("an in-process KnowledgeBank cannot be pickled; create it with a "
+                            "Dask client to share it, or save() it and load() it elsewhere")
+        return (_bank_from_actors, (self._shards, self._shard_workers, self._configs))
+
+    def close(self) -> None:
+        """Release the shard actors (distributed) or drop the in-process shards."""
+        for future in self._shard_futures:
+            future.release()
+        self._shard_futures = []
+        self._shards = []
+
+    def __repr__(self) -> str:
+        where = f"{self.num_shards} Dask actors" if self.distributed else "in-process"
+        return f"<KnowledgeBank: {self.num_shards} shards ({where}), tables={sorted(self._configs)}>"
+
+    def _repr_html_(self) -> str:
+        rows = "".join(f"<tr><td>{name}</td><td>{c['kind']}</td><td>"
+                       f"{c.get('dim', len(c.get('schema', {})))}</td></tr>"
+                       for name, c in sorted(self._configs.items()))
+        return (f"<b>KnowledgeBank</b> {self.num_shards} shard(s), "
+                f"{'distributed' if self.distributed else 'in-process'}"
+                f"<table><tr><th>table</th><th>kind</th><th>dim / fields</th></tr>{rows}</table>")
+
+
+def _bank_from_actors(actors: list[Any], workers: list[str | None],
+                      configs: dict[str, dict[str, Any]], client: Any = None) -> KnowledgeBank:
+    """A client object for existing shard actors (attach, unpickling). Unpickling may happen on a
+    worker's event loop, so the Dask client is looked up lazily (only ``publish`` needs it); the
+    actors find their worker or client themselves."""
+    bank = KnowledgeBank.__new__(KnowledgeBank)
+    bank._client = client
+    bank._remote = True
+    bank._configs = dict(configs)
+    bank._shard_futures = []
+    bank._shard_workers = list(workers)
+    bank._shards = list(actors)
+    return bank

@@ -1,0 +1,106 @@
+"""The CARLS lazy averaged gradient update as pure numpy functions (CARLS paper, section 3.2).
+
+Gradients sent for a key are cached until the next lookup of that key, until the key has
+``max_pending`` cached gradients, or until its oldest cached gradient is older than
+``pending_ttl_seconds``. Then all cached gradients of the key are combined and applied at once:
+
+1. gradients holding a NaN or Inf are dropped (counted as ``dropped_nonfinite``);
+2. when at least 3 gradients remain, a gradient g_i is an outlier and dropped (counted as
+   ``dropped_outliers``) when ``||g_i||_2 > median(n) + outlier_threshold * 1.4826 * MAD(n)``,
+   where n are the L2 norms of the remaining gradients and ``MAD(n) = median(|n - median(n)|)``
+   (1.4826 * MAD estimates the standard deviation of normal data). With MAD = 0 every norm above
+   the median is an outlier;
+3. the remaining gradients are averaged, g = mean_i g_i, and one optimizer step is taken:
+   ``sgd``: v <- v - lr * g;  ``adagrad``: a <- a + g**2, v <- v - lr * g / sqrt(a + eps).
+   A key whose gradients were all dropped is left unchanged.
+
+Everything is vectorized over keys: ``groups`` gives, per cached gradient, the index of its key.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+MAD_TO_STD = 1.4826
+
+
+class CombinedGradients(NamedTuple):
+    """Result of :func:`combine_gradients`."""
+
+    group_index: np.ndarray  # int64 [m]: groups (keys) that received an averaged gradient
+    mean_gradient: np.ndarray  # float32 [m, dim]
+    count: np.ndarray  # int64 [m]: gradients averaged per group
+    dropped_nonfinite: int
+    dropped_outliers: int
+
+
+def _group_median(values: np.ndarray, groups: np.ndarray, num_groups: int) -> np.ndarray:
+    """Median of ``values`` within each group (vectorized; groups without values get NaN)."""
+    order = np.lexsort((values, groups))
+    sorted_values = values[order]
+    counts = np.bincount(groups, minlength=num_groups)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    medians = np.full(num_groups, np.nan)
+    has = counts > 0
+    low = starts[has] + (counts[has] - 1) // 2
+    high = starts[has] + counts[has] // 2
+    medians[has] = 0.5 * (sorted_values[low] + sorted_values[high])
+    return medians
+
+
+def combine_gradients(
+    gradients: np.ndarray, groups: np.ndarray, num_groups: int, outlier_threshold: float = 3.0
+) -> CombinedGradients:
+    """Steps 1-2-3 (averaging part) of the lazy rule for all groups at once.
+
+    Args:
+      gradients: float32 [n, dim] cached gradients, in any order.
+      groups: int64 [n] key index (0..num_groups-1) of each gradient.
+      num_groups: number of keys.
+      outlier_threshold: k in ``median + k * 1.4826 * MAD``.
+    """
+    finite = np.isfinite(gradients).all(axis=1)
+    dropped_nonfinite = int(len(finite) - finite.sum())
+    gradients, groups = gradients[finite], groups[finite]
+    counts = np.bincount(groups, minlength=num_groups)
+    dropped_outliers = 0
+    if len(groups) and counts.max() >= 3:
+        norms = np.sqrt(np.einsum("ij,ij->i", gradients, gradients, dtype=np.float64))
+        median = _group_median(norms, groups, num_groups)
+        mad = _group_median(np.abs(norms - median[groups]), groups, num_groups)
+        limit = median + outlier_threshold * MAD_TO_STD * mad
+        outlier = (counts[groups] >= 3) & (norms > limit[groups])
+        dropped_outliers = int(outlier.sum())
+        gradients, groups = gradients[~outlier], groups[~outlier]
+        counts = np.bincount(groups, minlength=num_groups)
+    group_index = np.flatnonzero(counts)
+    order = np.argsort(groups, kind="stable")
+    if len(groups) == len(group_index):  # one gradient per key: the common case, no reduction
+        mean = gradients[order]
+    else:  # per-group sums as differences of a float64 running sum (faster than add.reduceat)
+        running = np.cumsum(gradients[order], axis=0, dtype=np.float64)
+        ends = np.cumsum(counts[group_index]) - 1
+        sums = running[ends]
+        sums[1:] -= running[ends[:-1]]
+        mean = (sums / counts[group_index][:, None]).astype(np.float32)
+    return CombinedGradients(
+        group_index, mean.astype(np.float32, copy=False), counts[group_index],
+        dropped_nonfinite, dropped_outliers,
+    )
+
+
+def sgd_step(values: np.ndarray, gradient: np.ndarray, learning_rate: float) -> np.ndarray:
+    """v <- v - lr * g."""
+    return values - np.float32(learning_rate) * gradient
+
+
+def adagrad_step(
+    values: np.ndarray, accumulator: np.ndarray, gradient: np.ndarray, learning_rate: float,
+    epsilon: float,
+) -> tuple[np.ndarray, np.ndarray]:
+    """a <- a + g**2; v <- v - lr * g / sqrt(a + eps) (Duchi et al. 2011). Returns (v, a)."""
+    accumulator = accumulator + gradient * gradient
+    values = values - np.float32(learning_rate) * gradient / np.sqrt(accumulator + np.float32(epsilon))
+    return values, accumulator

@@ -1,0 +1,57 @@
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+
+class FakeClock:
+    """A settable clock so ttl flushes and write times are exact."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return FakeClock()
+
+
+def _bank_contents(kb, directory: pathlib.Path) -> dict:
+    """Every array and counter of the bank, read back through a snapshot (public API only)."""
+    kb.save(directory)
+    manifest = json.loads((directory / "manifest.json").read_text())
+    out = {"tables": {t["name"]: (t["config"], t["counters"]) for t in manifest["tables"]}}
+    for entry in manifest["tables"]:
+        with np.load(directory / entry["file"], allow_pickle=False) as data:
+            order = np.argsort(data["keys"])  # rows: by key; pending: by time, then key (stable)
+            pending_order = (np.lexsort((data["pending_keys"], data["pending_times"]))
+                             if "pending_keys" in data.files else None)
+            for name in data.files:
+                array = data[name]
+                out[entry["name"], name] = array[pending_order if name.startswith("pending") else order]
+    return out
+
+
+def _assert_same_contents(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], np.ndarray):
+            np.testing.assert_array_equal(a[key], b[key], err_msg=str(key))
+        else:
+            assert a[key] == b[key], key
+
+
+@pytest.fixture
+def bank_contents(tmp_path):
+    """bank_contents(kb) -> every array and counter of kb, via a fresh snapshot directory."""
+    counter = iter(range(10**6))
+    return lambda kb: _bank_contents(kb, tmp_path / f"contents-{next(counter)}")
+
+
+@pytest.fixture
+def assert_same_contents():
+    return _assert_same_contents

@@ -1,0 +1,389 @@
+"""KnowledgeBank in-process: every operation, the lazy rule end to end, nearest, snapshots, errors."""
+
+import numpy as np
+import pytest
+
+from carlskit.bank import KnowledgeBank, key_from_string
+
+DIM = 8
+
+
+def make_bank(clock=None, num_shards=3, **table_kwargs):
+    kb = KnowledgeBank(num_shards=num_shards, clock=clock)
+    kb.create_table("emb", dim=DIM, seed=7, **table_kwargs)
+    return kb
+
+
+def test_initial_values_deterministic_across_shards_and_banks():
+    keys = np.arange(1, 2001) * 7919
+    values = [make_bank(num_shards=s).lookup("emb", keys, insert_missing=True)[0] for s in (1, 2, 5)]
+    np.testing.assert_array_equal(values[0], values[1])
+    np.testing.assert_array_equal(values[0], values[2])
+    assert abs(values[0].mean()) < 0.01 and abs(values[0].std() - 1 / np.sqrt(DIM)) < 0.01
+    other_seed = KnowledgeBank()
+    other_seed.create_table("emb", dim=DIM, seed=8)
+    assert not np.allclose(other_seed.lookup("emb", keys, insert_missing=True)[0], values[0])
+
+
+@pytest.mark.parametrize("initializer", ["zeros", "uniform"])
+def test_other_initializers(initializer):
+    kb = KnowledgeBank()
+    kb.create_table("emb", dim=4, initializer=initializer, init_scale=0.5)
+    values, _ = kb.lookup("emb", np.arange(1000), insert_missing=True)
+    if initializer == "zeros":
+        assert (values == 0).all()
+    else:
+        assert values.min() >= -0.5 and values.max() <= 0.5 and values.std() > 0.2
+
+
+def test_lookup_insert_missing_and_found():
+    kb = make_bank()
+    values, found = kb.lookup("emb", [5, 6])
+    assert not found.any() and (values == 0).all()
+    assert kb.stats()["tables"]["emb"]["rows"] == 0
+    inserted, found = kb.lookup("emb", [5, 6, 5], insert_missing=True)
+    assert not found.any()
+    np.testing.assert_array_equal(inserted[0], inserted[2])
+    again, found = kb.lookup("emb", [6, 5, 9])
+    np.testing.assert_array_equal(found, [True, True, False])
+    np.testing.assert_array_equal(again[:2], inserted[[1, 0]])
+    assert kb.stats()["tables"]["emb"]["rows"] == 2
+
+
+def test_update_version_metadata_and_lookup_counts(clock):
+    kb = make_bank(clock)
+    keys = np.array([10, 20, 30])
+    kb.update("emb", keys, np.ones((3, DIM)), version=4)
+    clock.now = 1005.0
+    kb.update("emb", [20, 20], np.stack([np.full(DIM, 2.0), np.full(DIM, 3.0)]), version=5)
+    values, found = kb.lookup("emb", keys)
+    assert found.all()
+    np.testing.assert_array_equal(values[:, 0], [1, 3, 1])  # later duplicate wins
+    kb.lookup("emb", [10])
+    meta = kb.row_metadata("emb", [10, 20, 30, 99])
+    np.testing.assert_array_equal(meta["found"], [True, True, True, False])
+    np.testing.assert_array_equal(meta["version"], [4, 5, 4, -1])
+    np.testing.assert_array_equal(meta["last_write_time"][:3], [1000, 1005, 1000])
+    assert np.isnan(meta["last_write_time"][3])
+    np.testing.assert_array_equal(meta["lookup_count"], [2, 1, 1, 0])
+    stats = kb.stats()["tables"]["emb"]
+    assert (stats["min_version"], stats["max_version"]) == (4, 5)
+    assert stats["rows_updated"] == 4 and stats["rows_looked_up"] == 4
+    assert 2 <= stats["update_shard_calls"] <= 4  # one call per shard touched by a batch
+
+
+def test_lazy_average_applied_on_lookup():
+    kb = make_bank(learning_rate=0.5, initializer="zeros")
+    kb.apply_gradients("emb", [1, 2, 1], np.array([[2.0] * DIM, [4.0] * DIM, [6.0] * DIM]))
+    kb.apply_gradients("emb", [1], np.full((1, DIM), 10.0))
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] == 4
+    values, found = kb.lookup("emb", [1, 2])
+    # key 1: mean(2, 6, 10) = 6 -> 0 - 0.5 * 6; key 2: -0.5 * 4
+    np.testing.assert_allclose(values[:, 0], [-3.0, -2.0])
+    stats = kb.stats()["tables"]["emb"]
+    assert stats["pending_gradients"] == 0 and stats["gradients_applied"] == 4
+    assert stats["optimizer_steps"] == 2
+
+
+def test_nan_gradients_dropped_and_counted():
+    kb = make_bank(learning_rate=1.0, initializer="zeros")
+    grads = np.ones((3, DIM))
+    grads[1, 3] = np.nan
+    grads[2, 0] = np.inf
+    kb.apply_gradients("emb", [4, 4, 4], grads)
+    values, _ = kb.lookup("emb", [4])
+    np.testing.assert_allclose(values, -np.ones((1, DIM)))
+    assert kb.stats()["tables"]["emb"]["dropped_nonfinite"] == 2
+
+
+def test_outlier_gradient_dropped():
+    kb = make_bank(learning_rate=1.0, initializer="zeros")
+    scale = np.array([1.0, 1.0, 1.0, 1.2, 50.0])[:, None]  # norms x sqrt(DIM); MAD 0, median 1
+    kb.apply_gradients("emb", [3] * 5, scale * np.ones((5, DIM)))
+    values, _ = kb.lookup("emb", [3])
+    # median 1, MAD 0 -> everything above the median norm is an outlier: 1.2 and 50 dropped
+    np.testing.assert_allclose(values, -np.ones((1, DIM)))
+    assert kb.stats()["tables"]["emb"]["dropped_outliers"] == 2
+
+
+def test_max_pending_flush():
+    kb = make_bank(learning_rate=1.0, initializer="zeros", max_pending=3)
+    kb.apply_gradients("emb", [8, 8], np.array([[1.0] * DIM, [2.0] * DIM]))
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] == 2
+    kb.apply_gradients("emb", [8, 9], np.array([[3.0] * DIM, [1.0] * DIM]))  # key 8 reaches 3
+    stats = kb.stats()["tables"]["emb"]
+    assert stats["pending_gradients"] == 1 and stats["optimizer_steps"] == 1
+    assert kb.row_metadata("emb", [8])["lookup_count"][0] == 0  # applied without a lookup
+    values, _ = kb.lookup("emb", [8])
+    np.testing.assert_allclose(values, -2.0 * np.ones((1, DIM)))  # mean(1, 2, 3)
+
+
+def test_ttl_flush(clock):
+    kb = make_bank(clock, learning_rate=1.0, initializer="zeros", pending_ttl_seconds=10.0)
+    kb.apply_gradients("emb", [1], np.ones((1, DIM)))
+    clock.now += 5
+    kb.apply_gradients("emb", [1, 2], np.array([[3.0] * DIM, [5.0] * DIM]))
+    clock.now += 5  # oldest gradient of key 1 is exactly 10 s old: not yet older than the ttl
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] == 3
+    clock.now += 0.5
+    stats = kb.stats()["tables"]["emb"]
+    assert stats["pending_gradients"] == 1 and stats["optimizer_steps"] == 1  # key 1 flushed
+    meta = kb.row_metadata("emb", [1])
+    assert meta["last_write_time"][0] == clock.now and meta["lookup_count"][0] == 0
+    clock.now += 5
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] == 0  # key 2 flushed too
+    values, _ = kb.lookup("emb", [1, 2])
+    np.testing.assert_allclose(values[:, 0], [-2.0, -5.0])
+
+
+def test_adagrad_hand_computed():
+    kb = make_bank(optimizer="adagrad", learning_rate=0.1, initial_accumulator_value=0.5,
+                   initializer="zeros")
+    kb.apply_gradients("emb", [1, 1], np.array([[1.0] * DIM, [3.0] * DIM]))
+    first, _ = kb.lookup("emb", [1])
+    acc = 0.5 + 2.0 ** 2
+    expected = -0.1 * 2.0 / np.sqrt(acc + 1e-7)
+    np.testing.assert_allclose(first, np.full((1, DIM), expected), rtol=1e-6)
+    kb.apply_gradients("emb", [1], np.full((1, DIM), -1.0))
+    second, _ = kb.lookup("emb", [1])
+    acc += 1.0
+    np.testing.assert_allclose(second, np.full((1, DIM), expected + 0.1 / np.sqrt(acc + 1e-7)),
+                               rtol=1e-6)
+
+
+def test_update_discards_pending_gradients():
+    kb = make_bank(initializer="zeros")
+    kb.apply_gradients("emb", [1, 2], np.ones((2, DIM)))
+    kb.update("emb", [1], np.full((1, DIM), 7.0), version=1)
+    values, _ = kb.lookup("emb", [1, 2])
+    np.testing.assert_allclose(values[:, 0], [7.0, -0.1])
+    assert kb.stats()["tables"]["emb"]["discarded_by_update"] == 1
+
+
+def test_many_pending_gradients_survive_compaction():
+    """Thousands of pending entries, partial flushes and buffer compaction lose nothing."""
+    kb = make_bank(initializer="zeros", learning_rate=1.0, max_pending=10_000,
+                   outlier_threshold=1e9)
+    rng = np.random.default_rng(0)
+    num_keys = 500
+    pending = [[] for _ in range(num_keys)]
+    expected = np.zeros(num_keys)
+
+    def apply_expected(indices):
+        for i in indices:
+            if pending[i]:
+                expected[i] -= np.mean(pending[i])
+                pending[i] = []
+
+    for step in range(30):
+        keys = rng.integers(0, num_keys, 300)
+        grads = rng.normal(size=300)
+        for key, grad in zip(keys, grads):
+            pending[key].append(np.float32(grad))
+        kb.apply_gradients("emb", keys + 1, np.repeat(grads[:, None], DIM, 1))
+        if step % 7 == 6:
+            subset = np.arange(step % 3, num_keys, 3)
+            kb.lookup("emb", subset + 1)
+            apply_expected(subset)
+    stats = kb.stats()["tables"]["emb"]
+    assert stats["pending_gradients"] == sum(len(p) for p in pending)
+    assert stats["gradients_received"] == 30 * 300
+    kb.flush("emb")
+    apply_expected(range(num_keys))
+    stats = kb.stats()["tables"]["emb"]
+    assert stats["pending_gradients"] == 0 and stats["gradients_applied"] == 30 * 300
+    values, _ = kb.lookup("emb", np.arange(num_keys) + 1)
+    np.testing.assert_allclose(values[:, 0], expected, rtol=1e-5, atol=1e-5)
+
+
+def brute_force(values, keys, queries, k, metric):
+    if metric == "dot":
+        scores = queries @ values.T
+    elif metric == "cosine":
+        scores = (queries / np.linalg.norm(queries, axis=1, keepdims=True)) @ (
+            values / np.linalg.norm(values, axis=1, keepdims=True)).T
+    else:
+        scores = ((queries[:, None, :] - values[None]) ** 2).sum(-1)
+    order = np.argsort(-scores if metric != "l2" else scores, axis=1)[:, :k]
+    return keys[order], np.take_along_axis(scores, order, 1)
+
+
+@pytest.mark.parametrize("metric", ["dot", "cosine", "l2"])
+def test_nearest_matches_brute_force_after_interleaved_writes(metric):
+    rng = np.random.default_rng(1)
+    kb = make_bank(num_shards=3, index="hnsw", index_metric=metric, learning_rate=0.5)
+    all_keys = np.arange(100, 700)
+    queries = rng.normal(size=(20, DIM)).astype(np.float32)
+    kb.lookup("emb", all_keys[:300], insert_missing=True)
+    kb.nearest("emb", queries, k=5, metric=metric)  # builds the approximate graph
+    kb.update("emb", all_keys[250:450], rng.normal(size=(200, DIM)), version=1)  # overwrite + new
+    kb.apply_gradients("emb", all_keys[:50], rng.normal(size=(50, DIM)))
+    kb.lookup("emb", all_keys[:50])  # applies them
+    kb.lookup("emb", all_keys[450:600], insert_missing=True)
+    values, found = kb.lookup("emb", all_keys[:600])
+    assert found.all()
+    expected_keys, expected_scores = brute_force(values.astype(np.float64), all_keys[:600],
+                                                 queries.astype(np.float64), 10, metric)
+    for exact in (None, True):
+        keys, scores = kb.nearest("emb", queries, k=10, metric=metric, exact=exact)
+        assert keys.shape == (20, 10) and scores.dtype == np.float32
+        if exact:  # same scores as brute force, and each key really has its score
+            np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-4)
+            own = brute_force(values.astype(np.float64), all_keys[:600],
+                              queries.astype(np.float64), 600, metric)
+            lookup = [dict(zip(own[0][q], own[1][q])) for q in range(len(queries))]
+            got = np.array([[lookup[q][key] for key in keys[q]] for q in range(len(queries))])
+            np.testing.assert_allclose(got, scores, rtol=1e-4, atol=1e-4)
+            assert (keys == expected_keys).mean() > 0.95
+        else:  # HNSW with the stale rows re-searched exactly
+            recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(keys, expected_keys)])
+            assert recall >= 0.9
+
+
+def test_nearest_exclude_and_padding():
+    kb = make_bank(num_shards=2)
+    keys = np.array([1, 2, 3])
+    values, _ = kb.lookup("emb", keys, insert_missing=True)
+    near, scores = kb.nearest("emb", values, k=2, metric="cosine", exclude=keys)
+    assert not (near == keys[:, None]).any()
+    near, scores = kb.nearest("emb", values[:1], k=5, metric="l2")
+    assert near[0, 0] == 1 and (near[0, 3:] == -1).all() and np.isinf(scores[0, 3:]).all()
+
+
+def test_hnsw_sees_overwritten_rows_without_rebuild():
+    rng = np.random.default_rng(5)
+    kb = make_bank(num_shards=2, index="hnsw", index_metric="l2")
+    keys = np.arange(1, 3001)
+    kb.update("emb", keys, rng.normal(size=(3000, DIM)), version=0)
+    queries = rng.normal(size=(8, DIM)).astype(np.float32) * 10  # far from every stored row
+    before, _ = kb.nearest("emb", queries, k=3, metric="l2")  # builds the graphs
+    assert not np.isin(before, keys[:8]).any()
+    kb.update("emb", keys[:8], queries, version=1)  # 8 of 3000 rows move onto the queries
+    kb.update("emb", [5000], queries[:1] + 0.01, version=1)  # and a new row next to query 0
+    near, scores = kb.nearest("emb", queries, k=3, metric="l2")
+    np.testing.assert_array_equal(near[:, 0], keys[:8])
+    np.testing.assert_allclose(scores[:, 0], 0, atol=1e-4)
+    assert near[0, 1] == 5000
+    exact, _ = kb.nearest("emb", queries, k=3, metric="l2", exact=True)
+    np.testing.assert_array_equal(exact[:, :1], near[:, :1])
+
+
+def test_nearest_exclude_several_keys_per_query():
+    kb = make_bank(num_shards=2)
+    values, _ = kb.lookup("emb", np.arange(1, 101), insert_missing=True)
+    first, _ = kb.nearest("emb", values[:4], k=3, metric="cosine")
+    excluded, _ = kb.nearest("emb", values[:4], k=3, metric="cosine", exclude=first[:, :2])
+    np.testing.assert_array_equal(excluded[:, 0], first[:, 2])
+    assert not (excluded[:, :, None] == first[:, None, :2]).any()
+
+
+def test_sample_keys_exist_and_are_deterministic():
+    kb = make_bank(num_shards=3)
+    keys = np.arange(1000, 1300)
+    kb.lookup("emb", keys, insert_missing=True)
+    sample = kb.sample("emb", n=4096, seed=3)
+    assert sample.shape == (4096,) and np.isin(sample, keys).all()
+    assert len(np.unique(sample)) > 250  # covers (nearly) every row of every shard
+    np.testing.assert_array_equal(sample, kb.sample("emb", n=4096, seed=3))
+    assert not np.array_equal(sample, kb.sample("emb", n=4096, seed=4))
+
+
+def test_feature_table_roundtrip():
+    kb = KnowledgeBank(num_shards=2)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 3), "weights": ("float32", 3)})
+    kb.update("nbrs", [7, 8], {"ids": [[1, 2, -1], [3, -1, -1]],
+                               "weights": [[0.5, 0.5, 0], [1, 0, 0]]}, version=2)
+    records, found = kb.lookup("nbrs", [8, 7, 9])
+    np.testing.assert_array_equal(found, [True, True, False])
+    np.testing.assert_array_equal(records["ids"], [[3, -1, -1], [1, 2, -1], [-1, -1, -1]])
+    assert records["weights"].dtype == np.float32 and records["weights"][2].sum() == 0
+    with pytest.raises(ValueError, match="embedding table"):
+        kb.nearest("nbrs", np.zeros((1, 3)), k=1)
+
+
+def test_string_keys():
+    kb = make_bank()
+    values, _ = kb.lookup("emb", ["apple", "pear"], insert_missing=True)
+    again, found = kb.lookup("emb", key_from_string(["pear", "apple"]))
+    assert found.all()
+    np.testing.assert_array_equal(again, values[::-1])
+    assert (key_from_string(["a", "b"]) >= 0).all()
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adagrad"])
+@pytest.mark.parametrize("load_shards", [1, 4])
+def test_save_load_roundtrip_any_shard_count(tmp_path, clock, optimizer, load_shards,
+                                             bank_contents, assert_same_contents):
+    kb = make_bank(clock, num_shards=2, optimizer=optimizer, max_pending=100)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2), "odd__name": ("bool", 1)})
+    keys = np.arange(1, 301)
+    kb.lookup("emb", keys, insert_missing=True)
+    kb.update("emb", keys[:100], np.full((100, DIM), 0.5), version=3)
+    kb.apply_gradients("emb", keys[50:150], np.ones((100, DIM)))
+    kb.lookup("emb", keys[50:80])  # applies some, leaves the rest pending
+    clock.now += 1
+    kb.apply_gradients("emb", keys[60:70], np.full((10, DIM), 2.0))
+    kb.update("nbrs", [5], {"ids": [[1, 2]], "odd__name": [[True]]}, version=9)
+    before = bank_contents(kb)
+    kb.save(tmp_path / "a")
+    restored = KnowledgeBank.load(tmp_path / "a", num_shards=load_shards, clock=clock)
+    assert restored.num_shards == load_shards
+    assert_same_contents(before, bank_contents(restored))
+    stats = restored.stats()["tables"]["emb"]
+    assert stats["pending_gradients"] == kb.stats()["tables"]["emb"]["pending_gradients"] > 0
+    np.testing.assert_array_equal(restored.lookup("emb", keys)[0], kb.lookup("emb", keys)[0])
+    meta_a, meta_b = kb.row_metadata("emb", keys), restored.row_metadata("emb", keys)
+    for name in meta_a:
+        np.testing.assert_array_equal(meta_a[name], meta_b[name])
+
+
+def test_save_overwrites_atomically(tmp_path):
+    kb = make_bank()
+    kb.lookup("emb", [1, 2], insert_missing=True)
+    kb.save(tmp_path / "snap")
+    kb.lookup("emb", [3], insert_missing=True)
+    kb.save(tmp_path / "snap")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]  # no temporary left behind
+    assert KnowledgeBank.load(tmp_path / "snap").stats()["tables"]["emb"]["rows"] == 3
+
+
+BAD_CALLS = [
+    ("create_table", ("emb",), {"dim": 4}, ValueError, "already exists"),
+    ("create_table", ("new",), {"dim": 0}, ValueError, "dim"),
+    ("create_table", ("new",), {"dim": 4, "initializer": "ones"}, ValueError, "initializer"),
+    ("lookup", ("nope", [1]), {}, ValueError, "unknown table"),
+    ("lookup", ("emb", [1, -1]), {}, ValueError, "-1"),
+    ("lookup", ("emb", [[1, 2]]), {}, ValueError, r"shape \[n\]"),
+    ("lookup", ("emb", [1.5]), {}, TypeError, "integer"),
+    ("update", ("emb", [1, 2], np.ones((2, DIM + 1))), {}, ValueError, rf"\[2, {DIM}\]"),
+    ("update", ("emb", [1, 2], np.ones((3, DIM))), {}, ValueError, rf"\[2, {DIM}\]"),
+    ("update", ("emb", [1, 2], np.ones(2 * DIM)), {}, ValueError, rf"\[2, {DIM}\]"),
+    ("update", ("emb", [1, 2], np.array([[np.nan] * DIM, [0] * DIM])), {}, ValueError, "NaN"),
+    ("update", ("emb", [1, 2], np.ones((2, DIM), bool)), {}, TypeError, "numeric"),
+    ("update", ("emb", [5, -1], np.ones((2, DIM))), {}, ValueError, "-1"),
+    ("update", ("emb", [1], np.ones((1, DIM))), {"version": 1.5}, TypeError, "version"),
+    ("apply_gradients", ("emb", [1, 2], np.ones((1, DIM))), {}, ValueError, "gradients"),
+    ("apply_gradients", ("nbrs", [1], np.ones((1, DIM))), {}, ValueError, "embedding"),
+    ("update", ("nbrs", [1], {"ids": [[1.5, 2]]}), {}, TypeError, "ids"),
+    ("update", ("nbrs", [1], {"other": [[1, 2]]}), {}, ValueError, "fields"),
+    ("nearest", ("emb", np.ones(DIM)), {}, ValueError, "queries"),
+    ("nearest", ("emb", np.ones((2, DIM))), {"metric": "hamming"}, ValueError, "metric"),
+    ("nearest", ("emb", np.ones((2, DIM))), {"k": 0}, ValueError, "k"),
+    ("nearest", ("emb", np.ones((2, DIM))), {"exclude": [1, 2, 3]}, ValueError, "exclude"),
+    ("sample", ("emb",), {"n": -1}, ValueError, "n"),
+    ("row_metadata", ("emb", [-1]), {}, ValueError, "-1"),
+]
+
+
+@pytest.mark.parametrize("method,args,kwargs,error,match", BAD_CALLS,
+                         ids=[f"{c[0]}-{i}" for i, c in enumerate(BAD_CALLS)])
+def test_bad_input_raises_and_changes_nothing(clock, bank_contents, assert_same_contents, method,
+                                             args, kwargs, error, match):
+    kb = make_bank(clock, num_shards=2)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
+    kb.lookup("emb", np.arange(1, 50), insert_missing=True)
+    kb.apply_gradients("emb", [1, 2], np.ones((2, DIM)))
+    before = bank_contents(kb)
+    with pytest.raises(error, match=match):
+        getattr(kb, method)(*args, **kwargs)
+    assert_same_contents(before, bank_contents(kb))

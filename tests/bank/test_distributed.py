@@ -1,0 +1,181 @@
+"""KnowledgeBank on a Dask LocalCluster: same results as in-process, several writer processes,
+no partial writes, snapshots across modes, and a clear error when a shard's worker dies."""
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+
+from carlskit.bank import KnowledgeBank, ShardLostError  # noqa: E402
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+DIM = 8
+
+
+@pytest.fixture(scope="module")
+def client():
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), old_path]))
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=None)
+    dask_client = distributed.Client(cluster)
+    yield dask_client
+    dask_client.close()
+    cluster.close()
+    if old_path is None:
+        os.environ.pop("PYTHONPATH", None)
+    else:
+        os.environ["PYTHONPATH"] = old_path
+
+
+def fill(kb):
+    rng = np.random.default_rng(0)
+    kb.create_table("emb", dim=DIM, seed=3, learning_rate=0.5, max_pending=4)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
+    keys = np.arange(1, 401)
+    kb.lookup("emb", keys, insert_missing=True)
+    kb.update("emb", keys[:100], rng.normal(size=(100, DIM)), version=2)
+    for _ in range(3):
+        kb.apply_gradients("emb", keys[50:250], rng.normal(size=(200, DIM)))
+    kb.lookup("emb", keys[:120])
+    kb.update("nbrs", keys[:5], {"ids": np.arange(10).reshape(5, 2)}, version=1)
+    return keys
+
+
+def test_distributed_matches_in_process(client):
+    remote, local = KnowledgeBank(client, num_shards=2), KnowledgeBank(num_shards=2)
+    assert len(set(remote.shard_workers)) == 2  # one shard per worker
+    keys = fill(remote)
+    fill(local)
+    for table in ("emb", "nbrs"):
+        a, found_a = remote.lookup(table, np.r_[keys, [9999]])
+        b, found_b = local.lookup(table, np.r_[keys, [9999]])
+        np.testing.assert_array_equal(found_a, found_b)
+        if table == "emb":
+            np.testing.assert_array_equal(a, b)
+        else:
+            np.testing.assert_array_equal(a["ids"], b["ids"])
+    queries = np.random.default_rng(1).normal(size=(16, DIM)).astype(np.float32)
+    for metric in ("dot", "cosine", "l2"):
+        np.testing.assert_array_equal(remote.nearest("emb", queries, k=7, metric=metric)[0],
+                                      local.nearest("emb", queries, k=7, metric=metric)[0])
+    np.testing.assert_array_equal(remote.sample("emb", 100, seed=2), local.sample("emb", 100, seed=2))
+    meta_a, meta_b = remote.row_metadata("emb", keys), local.row_metadata("emb", keys)
+    for name in ("found", "version", "lookup_count"):
+        np.testing.assert_array_equal(meta_a[name], meta_b[name])
+    stats_a, stats_b = remote.stats()["tables"]["emb"], local.stats()["tables"]["emb"]
+    for name in ("rows_per_shard", "pending_gradients", "gradients_applied", "optimizer_steps"):
+        assert stats_a[name] == stats_b[name], name
+    assert remote.stats()["distributed"]
+    remote.close()
+
+
+def read_in_task(bank, keys):
+    values, found = bank.lookup("emb", keys)
+    bank.apply_gradients("emb", keys, np.zeros_like(values))
+    return values, found
+
+
+def test_bank_passed_into_a_dask_task(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    keys = fill(kb)[:50]
+    expected, _ = kb.lookup("emb", keys)
+    values, found = client.submit(read_in_task, kb, keys, pure=False).result()
+    assert found.all()
+    np.testing.assert_array_equal(values, expected)
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] >= 50
+    with pytest.raises(TypeError, match="in-process"):
+        import pickle
+        pickle.dumps(KnowledgeBank())
+    kb.close()
+
+
+def test_bad_batch_changes_no_shard(client, bank_contents, assert_same_contents):
+    kb = KnowledgeBank(client, num_shards=2)
+    keys = fill(kb)
+    before = bank_contents(kb)
+    values = np.ones((len(keys), DIM))
+    values[-1, 0] = np.nan  # one bad row: no shard may be written
+    with pytest.raises(ValueError, match="NaN"):
+        kb.update("emb", keys, values, version=5)
+    with pytest.raises(ValueError, match="-1"):
+        kb.apply_gradients("emb", np.r_[keys[:-1], [-1]], np.ones((len(keys), DIM)))
+    assert_same_contents(before, bank_contents(kb))
+    kb.close()
+
+
+WRITER = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from distributed import Client
+    from carlskit.bank import KnowledgeBank
+    address, name, grad = sys.argv[1], sys.argv[2], float(sys.argv[3])
+    with Client(address) as client:
+        kb = KnowledgeBank.attach(client, name)
+        keys = np.arange(1, 1001)
+        for _ in range(20):
+            kb.apply_gradients("emb", keys, np.full((len(keys), 4), grad, np.float32))
+    print("done")
+""")
+
+
+def test_two_processes_write_gradients_to_the_same_keys(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    kb.create_table("emb", dim=4, initializer="zeros", learning_rate=1.0,
+                    max_pending=1000, pending_ttl_seconds=float("inf"))
+    kb.publish("carlskit-test-bank")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    writers = [subprocess.Popen([sys.executable, "-c", WRITER, client.scheduler.address,
+                                 "carlskit-test-bank", grad], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True) for grad in ("1.0", "3.0")]
+    for writer in writers:
+        out, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err
+    stats = kb.stats()["tables"]["emb"]
+    assert stats["gradients_received"] == 2 * 20 * 1000
+    assert stats["pending_gradients"] == 2 * 20 * 1000  # every gradient of both processes cached
+    values, _ = kb.lookup("emb", np.arange(1, 1001))
+    np.testing.assert_allclose(values, -2.0)  # one step with the average of 20 x 1.0 and 20 x 3.0
+    assert kb.stats()["tables"]["emb"]["gradients_applied"] == 2 * 20 * 1000
+    client.unpublish_dataset("carlskit-test-bank")
+    kb.close()
+
+
+def test_snapshot_between_modes(client, tmp_path, bank_contents, assert_same_contents):
+    kb = KnowledgeBank(client, num_shards=2)
+    fill(kb)
+    kb.save(tmp_path / "snap")
+    expected = bank_contents(kb)
+    local = KnowledgeBank.load(tmp_path / "snap", num_shards=3)
+    assert_same_contents(expected, bank_contents(local))
+    local.save(tmp_path / "snap3")
+    back = KnowledgeBank.load(tmp_path / "snap3", client=client, num_shards=2)
+    assert back.distributed
+    assert_same_contents(expected, bank_contents(back))
+    kb.close()
+    back.close()
+
+
+def test_lost_shard_worker_is_named_and_snapshot_restores(client, tmp_path):
+    """Runs last: kills a worker (its nanny restarts it)."""
+    kb = KnowledgeBank(client, num_shards=2)
+    keys = fill(kb)
+    kb.save(tmp_path / "snap")
+    expected, _ = kb.lookup("emb", keys)
+    try:
+        client.run(os._exit, 1, workers=[kb.shard_workers[1]])
+    except Exception:
+        pass  # the worker dies before answering
+    with pytest.raises(ShardLostError, match="shard 1 of 2"):
+        for _ in range(100):  # until the scheduler notices the death
+            kb.lookup("emb", keys)
+    client.wait_for_workers(2, timeout=60)
+    restored = KnowledgeBank.load(tmp_path / "snap", client=client)
+    np.testing.assert_array_equal(restored.lookup("emb", keys)[0], expected)
+    restored.close()

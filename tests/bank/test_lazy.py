@@ -1,0 +1,52 @@
+"""The lazy averaged update rule as pure functions, against hand-computed values."""
+
+import numpy as np
+
+from carlskit.bank import adagrad_step, combine_gradients, sgd_step
+
+
+def test_average_per_key():
+    grads = np.array([[1, 0], [3, 2], [5, 5]], np.float32)
+    out = combine_gradients(grads, np.array([0, 0, 1]), 2)
+    np.testing.assert_array_equal(out.group_index, [0, 1])
+    np.testing.assert_allclose(out.mean_gradient, [[2, 1], [5, 5]])
+    np.testing.assert_array_equal(out.count, [2, 1])
+    assert out.dropped_nonfinite == 0 and out.dropped_outliers == 0
+
+
+def test_nonfinite_dropped_and_counted():
+    grads = np.array([[1, 1], [np.nan, 0], [3, 3], [np.inf, 1]], np.float32)
+    out = combine_gradients(grads, np.array([0, 0, 0, 1]), 2)
+    np.testing.assert_array_equal(out.group_index, [0])  # key 1 had only an Inf gradient
+    np.testing.assert_allclose(out.mean_gradient, [[2, 2]])
+    assert out.dropped_nonfinite == 2
+
+
+def test_outlier_by_median_and_mad():
+    # norms 1, 2, 3, 100: median 2.5, |n - 2.5| = 1.5, .5, .5, 97.5 -> MAD 1.0
+    # limit = 2.5 + 3 * 1.4826 * 1.0 = 6.9478: only 100 is dropped
+    grads = np.array([[1, 0], [0, 2], [3, 0], [0, 100]], np.float32)
+    out = combine_gradients(grads, np.zeros(4, np.int64), 1, outlier_threshold=3.0)
+    assert out.dropped_outliers == 1
+    np.testing.assert_allclose(out.mean_gradient, [[4 / 3, 2 / 3]], rtol=1e-6)
+    # a lower threshold (limit 2.5 + 0.2 * 1.4826 = 2.797) also drops the norm-3 gradient
+    out = combine_gradients(grads, np.zeros(4, np.int64), 1, outlier_threshold=0.2)
+    assert out.dropped_outliers == 2
+    np.testing.assert_allclose(out.mean_gradient, [[0.5, 1.0]])
+
+
+def test_no_outlier_rule_below_three_gradients():
+    grads = np.array([[1, 0], [0, 100]], np.float32)
+    out = combine_gradients(grads, np.zeros(2, np.int64), 1)
+    assert out.dropped_outliers == 0
+    np.testing.assert_allclose(out.mean_gradient, [[0.5, 50]])
+
+
+def test_optimizer_steps():
+    v = np.array([[1.0, 2.0]], np.float32)
+    g = np.array([[0.5, -1.0]], np.float32)
+    np.testing.assert_allclose(sgd_step(v, g, 0.1), [[0.95, 2.1]])
+    new_v, acc = adagrad_step(v, np.full_like(v, 0.1), g, 0.1, 1e-7)
+    np.testing.assert_allclose(acc, [[0.35, 1.1]])
+    np.testing.assert_allclose(new_v, [[1 - 0.1 * 0.5 / np.sqrt(0.35 + 1e-7),
+                                        2 + 0.1 / np.sqrt(1.1 + 1e-7)]], rtol=1e-6)
