@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from carlskit.training._checkpoint import CheckpointStore
+from carlskit.training._checkpoint import CheckpointStore, restore_model
 
 logger = logging.getLogger("carlskit.makers")
 
@@ -40,6 +40,10 @@ class MakerContext:
     metadata: dict
     bank: Any
     slice_index: int
+
+    def restore_model(self, model, prefix: str = "model") -> None:
+        """Load the checkpoint's ``prefix`` subtree (the trainer's model state) into ``model``."""
+        restore_model(model, self.checkpoint, self.metadata, prefix)
 
 
 def _report(topic: str, message: dict) -> None:

@@ -124,4 +124,18 @@ class CheckpointStore:
         with self._fs.open(self._file(version, "npz"), "rb") as handle:
             arrays = npz_bytes_to_arrays(handle.read())
         tree = arrays if target is None else unflatten_into(target, arrays, manifest["key_impls"])
-        return tree, {**manifest["metadata"], "version": version, "wall_time": manifest["wall_time"]}
+        return tree, {**manifest["metadata"], "version": version, "wall_time": manifest["wall_time"],
+                      "key_impls": manifest["key_impls"]}
+
+
+def restore_model(model, arrays: dict[str, np.ndarray], metadata: dict, prefix: str = "model") -> None:
+    """Put the ``prefix`` subtree of a flat checkpoint (``CheckpointStore.load`` without target) into
+    a Flax NNX ``model`` in place, e.g. a maker's copy of the trainer's model."""
+    from flax import nnx
+
+    head = f"[{prefix!r}]"
+    subset = {name[len(head):]: a for name, a in arrays.items() if name.startswith(head)}
+    impls = {name[len(head):]: i for name, i in metadata.get("key_impls", {}).items() if name.startswith(head)}
+    if not subset:
+        raise ValueError(f"the checkpoint has no subtree {prefix!r}")
+    nnx.update(model, unflatten_into(nnx.state(model), subset, impls))

@@ -125,8 +125,7 @@ class Trainer:
             nnx.update((self.model, self.optimizer), self._state)
 
     def checkpoint_tree(self) -> dict:
-        model_state, optimizer_state = self._state
-        return {"model": model_state, "optimizer": optimizer_state}
+        return {"model": self._state[0], "optimizer": self._state[1]}
 
     def save_checkpoint(self) -> int | None:
         """Publish the current state as version ``step`` (no-op without a store or if published)."""
@@ -139,7 +138,7 @@ class Trainer:
         if self.checkpoints is None or self.checkpoints.latest() is None:
             return False
         tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
-        self._state = (tree["model"], tree["optimizer"])
+        self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
             self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
         self.step = int(metadata["step"])
@@ -217,6 +216,8 @@ class Trainer:
                 record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
                           **{k: float(v) for k, v in metrics.items()},
                           **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
+                if "embedding_version" in record:  # knowledge read from the bank: how stale was it?
+                    record["staleness"] = record["step"] - 1 - record["embedding_version"]
                 self.history.append(record)
                 self._log(record)
                 bar.update(1)

@@ -1,0 +1,86 @@
+"""Built-in knowledge makers: embeddings from the latest model, and a learned neighbour graph."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from flax import nnx
+
+from carlskit.makers._maker import MakerContext
+
+
+class EmbeddingMaker:
+    """Run the model's encoder on the maker's items and write the results to the bank.
+
+    ``model_factory()`` builds the model (same structure as the trainer's; picklable, e.g. a module
+    level function or ``functools.partial``); ``encode(model, features) -> {table: [n, dim]}``
+    (or one array, written to ``table``). Items are encoded in batches of ``batch_size``.
+    """
+
+    def __init__(self, model_factory: Callable[[], nnx.Module], encode: Callable, features: np.ndarray,
+                 *, table: str = "emb", batch_size: int = 1024):
+        self.model_factory = model_factory
+        self.encode = encode
+        self.features = np.asarray(features)
+        self.table = table
+        self.batch_size = batch_size
+        self._model = None
+        self._encode = None
+
+    def __getstate__(self):
+        return {**self.__dict__, "_model": None, "_encode": None}
+
+    def __call__(self, context: MakerContext) -> None:
+        if self._model is None:
+            self._model = self.model_factory()
+            graphdef = nnx.graphdef(self._model)
+            encode = self.encode
+
+            import jax
+
+            @jax.jit
+            def encode_state(state, features):
+                return encode(nnx.merge(graphdef, state), features)
+
+            self._encode = encode_state
+        context.restore_model(self._model)
+        state = nnx.state(self._model)
+        outputs: dict[str, list[np.ndarray]] = {}
+        for start in range(0, len(context.items), self.batch_size):
+            items = context.items[start:start + self.batch_size]
+            encoded = self._encode(state, self.features[items])
+            if not isinstance(encoded, dict):
+                encoded = {self.table: encoded}
+            for table, values in encoded.items():
+                outputs.setdefault(table, []).append(np.asarray(values, dtype=np.float32))
+        for table, parts in outputs.items():
+            context.bank.update(table, context.items, np.concatenate(parts), version=context.version)
+
+
+class NeighborMaker:
+    """Rebuild each item's k nearest neighbours from the bank's embeddings (a learned graph).
+
+    Reads the items' embeddings from ``table``, asks ``bank.nearest`` for ``k`` neighbours by
+    ``metric`` excluding the item itself, and writes ``{"ids", "weights"}`` records to
+    ``records_table``. Weights are 1 for every neighbour found (-1 padding gets 0).
+    """
+
+    def __init__(self, k: int, *, table: str = "emb", records_table: str = "nbrs", metric: str = "cosine"):
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        self.k, self.table, self.records_table, self.metric = k, table, records_table, metric
+
+    def __call__(self, context: MakerContext) -> None:
+        bank: Any = context.bank
+        embeddings, found = bank.lookup(self.table, context.items)
+        items = context.items[found]
+        if len(items) == 0:
+            return
+        neighbors, _ = bank.nearest(self.table, embeddings[found], k=self.k, metric=self.metric, exclude=items)
+        width = bank.tables[self.records_table]["schema"]["ids"][1]
+        ids = np.full((len(items), width), -1, np.int64)
+        ids[:, : self.k] = neighbors
+        weights = (ids >= 0).astype(np.float32)
+        bank.update(self.records_table, items, {"ids": ids, "weights": weights}, version=context.version)

@@ -1,0 +1,1 @@
+"""The CARLS learning paradigms, each runnable as ``python -m carlskit.paradigms.NAME``."""

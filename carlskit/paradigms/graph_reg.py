@@ -1,0 +1,242 @@
+"""Graph-regularized semi-supervised learning with CARLS (paper section 4.1, figure 2).
+
+loss = cross-entropy on labelled items
+       + multiplier * mean_i sum_k w_ik * distance(embedding(x_i), bank_embedding(neighbour_ik))
+
+where the neighbours' embeddings are *read from the knowledge bank*, computed there by an embedding
+maker from the trainer's latest checkpoint, so the trainer never encodes a neighbour; neighbour
+weights are normalised to sum to 1 per item. The embedding is the model's class distribution
+(softmax) from a dropout-free forward pass. The graph comes from the data set (Planetoid edges) or
+is itself learned: a neighbour maker rebuilds each item's k nearest neighbours in the hidden-layer
+embedding space after every checkpoint.
+
+Command line (prints one JSON object as its last line)::
+
+    python -m carlskit.paradigms.graph_reg --data cora.npz [--neighbors K] [--seed S] [--workers N]
+    python -m carlskit.paradigms.graph_reg --data digits [--label-fraction 0.05]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from carlskit.bank import KnowledgeBank
+from carlskit.data import Dataset, load_digits, load_planetoid, neighbors_from_edges
+from carlskit.makers import EmbeddingMaker, Maker, NeighborMaker
+from carlskit.training import (
+    CheckpointStore,
+    NeighborKnowledge,
+    Trainer,
+    check_embedding_dim,
+    graph_regularization,
+    masked_cross_entropy,
+)
+
+
+class MLP(nnx.Module):
+    """Two-layer perceptron with dropout; ``embed`` gives the hidden layer and class distribution."""
+
+    def __init__(self, num_features: int, hidden: int, num_classes: int, *, dropout: float, seed: int):
+        rngs = nnx.Rngs(params=seed, dropout=seed + 1)
+        self.hidden = nnx.Linear(num_features, hidden, rngs=rngs)
+        self.output = nnx.Linear(hidden, num_classes, rngs=rngs)
+        self.input_dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.hidden_dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array, *, deterministic: bool = False) -> jax.Array:
+        h = nnx.relu(self.hidden(self.input_dropout(x, deterministic=deterministic)))
+        return self.output(self.hidden_dropout(h, deterministic=deterministic))
+
+    def embed(self, x: jax.Array) -> dict[str, jax.Array]:
+        h = nnx.relu(self.hidden(x))
+        return {"emb": jax.nn.softmax(self.output(h)), "hidden": h}
+
+
+def encode(model: MLP, features: jax.Array, tables: tuple[str, ...] = ("emb",)) -> dict[str, jax.Array]:
+    """The embedding maker's encoder: the bank tables it fills, from a dropout-free pass."""
+    embeddings = model.embed(features)
+    return {table: embeddings[table] for table in tables}
+
+
+@dataclass(frozen=True)
+class GraphRegConfig:
+    """Hyperparameters (chosen on Cora's validation split only)."""
+
+    neighbors: int = 32
+    multiplier: float = 5.0
+    distance: str = "l2"
+    hidden: int = 64
+    dropout: float = 0.5
+    learning_rate: float = 0.01
+    weight_decay: float = 5e-4
+    steps: int = 300
+    batch_size: int = 1024
+    warmup_steps: int = 50
+    checkpoint_every: int = 10
+    learned_graph: bool = False  # True: neighbour maker builds the graph (no edges needed)
+
+
+def loss_fn(model: MLP, batch: dict, *, distance: str) -> tuple[jax.Array, dict]:
+    logits = model(batch["features"])
+    supervised = masked_cross_entropy(logits, batch["labels"], batch["labelled"])
+    if "neighbor_embeddings" not in batch:
+        return supervised, {"supervised": supervised}
+    samples = model.embed(batch["features"])["emb"]
+    weights = batch["neighbor_weights"]
+    weights = weights / jnp.maximum(weights.sum(axis=1, keepdims=True), 1e-6)
+    regularizer = graph_regularization(samples, batch["neighbor_embeddings"], weights, distance)
+    return supervised + batch["multiplier"] * regularizer, {"supervised": supervised, "graph": regularizer}
+
+
+def batches(data: Dataset, features: np.ndarray, config: GraphRegConfig, seed: int, multiplier: float):
+    """f(step) -> batch: every labelled item plus ``batch_size`` items drawn from all items."""
+    rng = np.random.default_rng(seed)
+    labelled = np.zeros(data.num_items, bool)
+    labelled[data.train_idx] = True
+
+    def batch(step: int) -> dict:
+        ids = np.concatenate([data.train_idx, rng.choice(data.num_items, config.batch_size, replace=False)
+                              if config.batch_size < data.num_items else np.arange(data.num_items)])
+        ramp = min(1.0, max(0.0, (step - config.warmup_steps) / max(config.warmup_steps, 1)))
+        return {"ids": ids, "features": features[ids], "labels": np.maximum(data.labels[ids], 0),
+                "labelled": labelled[ids], "multiplier": np.float32(multiplier * ramp)}
+
+    return batch
+
+
+def accuracy(model: MLP, features: np.ndarray, labels: np.ndarray, index: np.ndarray) -> float:
+    predictions = np.asarray(jnp.argmax(model(jnp.asarray(features[index]), deterministic=True), axis=-1))
+    return float(np.mean(predictions == labels[index]))
+
+
+def _features(data: Dataset) -> np.ndarray:
+    if data.edges is not None:  # bag-of-words graphs: row-normalise, as is standard for Planetoid
+        return data.features / np.maximum(data.features.sum(axis=1, keepdims=True), 1.0)
+    return data.features
+
+
+def train(data: Dataset, config: GraphRegConfig, *, regularize: bool, seed: int = 0, client: Any = None,
+          num_shards: int = 1, workdir: str | None = None, progress: bool = False) -> dict:
+    """Train one MLP; with ``regularize`` the bank, an embedding maker (and a neighbour maker for a
+    learned graph) run beside the trainer. Returns accuracies, steps, seconds and statistics."""
+    features = _features(data)
+    make_model = functools.partial(MLP, data.num_features, config.hidden, data.num_classes,
+                                   dropout=config.dropout, seed=seed)
+    model = make_model()
+    optimizer = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
+    started = time.perf_counter()
+    loss = functools.partial(loss_fn, distance=config.distance)
+    if not regularize:
+        trainer = Trainer(model, optimizer, loss)
+        trainer.fit(batches(data, features, config, seed, 0.0), config.steps, progress=progress, live=False)
+        return _result(trainer, data, features, started, {})
+
+    workdir = workdir or tempfile.mkdtemp(prefix="carlskit-graph-reg-")
+    bank = KnowledgeBank(client=client, num_shards=num_shards)
+    width = config.neighbors
+    bank.create_table("emb", dim=data.num_classes, initializer="zeros")
+    bank.create_feature_table("nbrs", schema={"ids": ("int64", width), "weights": ("float32", width)})
+    check_embedding_dim(bank, "emb", int(encode(model, jnp.asarray(features[:1]))["emb"].shape[-1]))
+    items = np.arange(data.num_items, dtype=np.int64)
+    makers = []
+    slices = max(1, num_shards)
+    if config.learned_graph:
+        bank.create_table("hidden", dim=config.hidden, initializer="zeros")
+        makers.append(Maker(NeighborMaker(config.neighbors, table="hidden", metric="cosine"), items,
+                            num_slices=slices, name="neighbors"))
+    else:
+        ids, weights = neighbors_from_edges(data.edges, data.num_items, width, seed=seed)
+        bank.update("nbrs", items, {"ids": ids, "weights": weights}, version=0)
+    tables = ("emb", "hidden") if config.learned_graph else ("emb",)
+    makers.insert(0, Maker(EmbeddingMaker(make_model, functools.partial(encode, tables=tables), features), items, num_slices=slices,
+                           name="embeddings"))
+    store = CheckpointStore(f"{workdir}/checkpoints", keep=3)
+    trainer = Trainer(model, optimizer, loss, knowledge=NeighborKnowledge(bank, max_neighbors=config.neighbors),
+                      checkpoints=store, checkpoint_every=config.checkpoint_every)
+    trainer.save_checkpoint()  # version 0: makers fill the bank while the trainer warms up
+    for maker in makers:
+        maker.start(store, bank, client)
+    try:
+        trainer.fit(batches(data, features, config, seed, config.multiplier), config.steps,
+                    progress=progress, live=False)
+    finally:
+        for maker in makers:
+            maker.stop()
+    errors = [error for maker in makers for error in maker.status()["errors"]]
+    if errors:
+        raise RuntimeError(f"a maker failed: {errors[0]}")
+    staleness = [r["staleness"] for r in trainer.history if "staleness" in r and np.isfinite(r["staleness"])]
+    extra = {"maker_status": [m.status() for m in makers], "mean_staleness": float(np.mean(staleness)) if staleness else None,
+             "missing_neighbors": int(trainer.knowledge.missing_total)}
+    bank.close()
+    return _result(trainer, data, features, started, extra)
+
+
+def _result(trainer: Trainer, data: Dataset, features: np.ndarray, started: float, extra: dict) -> dict:
+    return {"test_acc": accuracy(trainer.model, features, data.labels, data.test_idx),
+            "val_acc": accuracy(trainer.model, features, data.labels, data.val_idx),
+            "steps": trainer.step, "seconds": time.perf_counter() - started, "history": trainer.history, **extra}
+
+
+def compare(data: Dataset, config: GraphRegConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
+            progress: bool = False) -> dict:
+    """Train the same MLP without and with graph regularization; the command's JSON fields."""
+    base = train(data, config, regularize=False, seed=seed, progress=progress)
+    graph = train(data, config, regularize=True, seed=seed, client=client, num_shards=num_shards, progress=progress)
+    return {
+        "data": data.name, "base_test_acc": base["test_acc"], "graph_reg_test_acc": graph["test_acc"],
+        "base_val_acc": base["val_acc"], "graph_reg_val_acc": graph["val_acc"],
+        "steps": graph["steps"], "seconds": base["seconds"] + graph["seconds"],
+        "mean_staleness": graph["mean_staleness"], "missing_neighbors": graph["missing_neighbors"],
+        "config": asdict(config), "seed": seed,
+    }
+
+
+def load_data(name: str, label_fraction: float, seed: int) -> Dataset:
+    if name == "digits":
+        return load_digits(label_fraction, seed=seed)
+    return load_planetoid(name)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--data", required=True, help="a Planetoid-style .npz file, or 'digits'")
+    parser.add_argument("--neighbors", type=int, default=None, help="neighbours per item (1..100+)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=0, help="Dask workers; 0 runs everything in-process")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--label-fraction", type=float, default=0.05, help="digits only")
+    parser.add_argument("--progress", action="store_true")
+    args = parser.parse_args(argv)
+    data = load_data(args.data, args.label_fraction, args.seed)
+    config = GraphRegConfig(learned_graph=data.edges is None, **({"neighbors": args.neighbors} if args.neighbors else {}),
+                            **({"steps": args.steps} if args.steps else {}))
+    client = None
+    if args.workers > 0:
+        from carlskit.cluster import connect
+
+        client = connect(n_workers=args.workers)
+    try:
+        result = compare(data, config, seed=args.seed, client=client, num_shards=max(1, args.workers),
+                         progress=args.progress)
+    finally:
+        if client is not None:
+            client.close()
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,85 @@
+"""Knowledge stages for the trainer's input pipeline: read neighbour records, then their embeddings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from carlskit.training._pipeline import Batch
+
+
+def check_embedding_dim(bank: Any, table: str, dim: int) -> None:
+    """Raise ``ValueError`` at start-up when a model's embedding size differs from the bank table's."""
+    tables = bank.tables
+    if table not in tables:
+        raise ValueError(f"the bank has no table {table!r} (tables: {sorted(tables)})")
+    expected = tables[table].get("dim")
+    if expected != dim:
+        raise ValueError(f"the model's embedding dim {dim} differs from bank table {table!r}'s dim {expected}")
+
+
+class NeighborKnowledge:
+    """Add each item's neighbours and their bank embeddings to a batch (CARLS figure 2).
+
+    For ``batch[key]`` (item ids [B]) it looks up the neighbour records ``records_table``
+    (fields ``ids`` [W] int64 padded with -1 and ``weights`` [W] float32), keeps the first
+    ``max_neighbors``, then looks up the embeddings of all distinct neighbours from
+    ``embeddings_table`` in one batched call. It adds:
+
+    - ``neighbor_embeddings`` [B, K, D] float32 and ``neighbor_weights`` [B, K] float32; padding and
+      neighbours absent from the bank get weight 0 (skipped, not a crash);
+    - ``_missing_neighbors``: how many real neighbours were absent, and ``_embedding_version``: the
+      mean model version of the embeddings read (the trainer logs step minus it as staleness).
+
+    Three batched bank calls per batch (records, embeddings, embedding versions), whatever K is.
+    """
+
+    def __init__(self, bank: Any, *, max_neighbors: int, records_table: str = "nbrs",
+                 embeddings_table: str = "emb", key: str = "ids"):
+        if max_neighbors < 1:
+            raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
+        tables = bank.tables
+        for table in (records_table, embeddings_table):
+            if table not in tables:
+                raise ValueError(f"the bank has no table {table!r} (tables: {sorted(tables)})")
+        width = tables[records_table]["schema"]["ids"][1]
+        if max_neighbors > width:
+            raise ValueError(f"max_neighbors {max_neighbors} exceeds the {records_table!r} record width {width}")
+        self.bank = bank
+        self.max_neighbors = max_neighbors
+        self.records_table = records_table
+        self.embeddings_table = embeddings_table
+        self.key = key
+        self.dim = tables[embeddings_table]["dim"]
+        self.missing_total = 0
+
+    def __call__(self, batch: Batch) -> Batch:
+        ids = np.asarray(batch[self.key], dtype=np.int64)
+        records, found = self.bank.lookup(self.records_table, ids)
+        neighbors = records["ids"][:, : self.max_neighbors]
+        weights = records["weights"][:, : self.max_neighbors] * found[:, None]
+        real = (neighbors >= 0) & found[:, None]
+        unique, inverse = np.unique(np.where(real, neighbors, -1), return_inverse=True)
+        inverse = inverse.reshape(neighbors.shape)
+        lookup_keys = unique[unique >= 0]
+        offset = len(unique) - len(lookup_keys)  # 1 when -1 (padding) is among the unique values
+        embeddings = np.zeros((len(unique), self.dim), np.float32)
+        present = np.zeros(len(unique), bool)
+        version = np.nan
+        if len(lookup_keys):
+            values, exists = self.bank.lookup(self.embeddings_table, lookup_keys)
+            embeddings[offset:], present[offset:] = values, exists
+            if exists.any():
+                versions = self.bank.row_metadata(self.embeddings_table, lookup_keys[exists])["version"]
+                version = float(np.mean(versions))
+        usable = real & present[inverse]
+        missing = int(real.sum() - usable.sum())
+        self.missing_total += missing
+        return {
+            **batch,
+            "neighbor_embeddings": embeddings[inverse],
+            "neighbor_weights": np.where(usable, weights, 0.0).astype(np.float32),
+            "_missing_neighbors": missing,
+            "_embedding_version": version,
+        }
