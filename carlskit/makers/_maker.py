@@ -183,7 +183,7 @@ class Maker:
             self._running[index] = (thread, result)
         else:
             self._running[index] = self._client.submit(
-                run_maker_slice, *arguments, pure=False, workers=self.workers,
+                run_maker_slice, *arguments, pure=False, workers=self.workers, allow_other_workers=True,
                 key=f"maker-{self.name}-{index}-{uuid.uuid4().hex[:8]}",
             )
 
@@ -202,6 +202,13 @@ class Maker:
         return True, None, ""
 
     def _supervise(self) -> None:
+        try:
+            self._supervise_loop()
+        except Exception as error:  # e.g. the client was closed under us: stop supervising, say why
+            if self._client is None or self._client.status == "running":
+                logger.exception("maker %r supervisor stopped: %s", self.name, error)
+
+    def _supervise_loop(self) -> None:
         while not self._stop.is_set():
             for index in list(self._running):
                 done, error, trace = self._finished(index)

@@ -1,0 +1,115 @@
+"""Makers: refresh knowledge from the latest checkpoint, report lag, restart after errors and lost workers."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+import carlskit
+from carlskit.bank import KnowledgeBank
+from carlskit.makers import Maker
+from carlskit.training import CheckpointStore
+
+
+def write_version(context):
+    """Knowledge = the checkpoint's scalar 'w' broadcast, written with the checkpoint's version."""
+    value = float(context.checkpoint["['w']"])
+    rows = np.full((len(context.items), 4), value, np.float32)
+    context.bank.update("emb", context.items, rows, version=context.version)
+
+
+def wait_until(condition, seconds=60.0, every=0.05):
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(every)
+
+
+def bank_versions(bank, items):
+    return bank.row_metadata("emb", items)["version"]
+
+
+def test_embedded_maker_follows_checkpoints_and_reports_lag(tmp_path):
+    bank = KnowledgeBank()
+    bank.create_table("emb", dim=4, initializer="zeros")
+    store = CheckpointStore(tmp_path, keep=None)
+    items = np.arange(100)
+    maker = Maker(write_version, items, num_slices=3, poll_seconds=0.01).start(store, bank)
+    try:
+        for version in (1, 2, 3):
+            store.save({"w": np.float32(version * 10)}, version=version)
+            wait_until(lambda: (bank_versions(bank, items) == version).all())
+        values, found = bank.lookup("emb", items)
+        assert found.all() and (values == 30.0).all()
+        status = maker.status()
+        assert [s["lag"] for s in status["slices"]] == [0, 0, 0]
+        assert all(s["items_per_s"] > 0 for s in status["slices"])
+        assert status["errors"] == [] and status["restarts"] == 0
+    finally:
+        maker.stop()
+
+
+def test_a_failing_maker_is_restarted_and_its_error_kept(tmp_path, capsys):
+    bank = KnowledgeBank()
+    bank.create_table("emb", dim=4, initializer="zeros")
+    store = CheckpointStore(tmp_path)
+    calls = []
+
+    def flaky(context):
+        calls.append(context.version)
+        if len(calls) == 1:
+            raise ZeroDivisionError("first round fails")
+        write_version(context)
+
+    store.save({"w": np.float32(1)}, version=1)
+    maker = Maker(flaky, np.arange(10), poll_seconds=0.01).start(store, bank)
+    try:
+        wait_until(lambda: (bank_versions(bank, np.arange(10)) == 1).all())
+    finally:
+        maker.stop()
+    status = maker.status()
+    assert status["restarts"] == 1 and "ZeroDivisionError: first round fails" in status["errors"][0]
+    assert "first round fails" in capsys.readouterr().err
+
+
+def test_bad_maker_arguments():
+    with pytest.raises(TypeError, match="fn"):
+        Maker("not callable", np.arange(3))
+    with pytest.raises(ValueError, match="items"):
+        Maker(write_version, np.array([0.5, 1.5]))
+    with pytest.raises(ValueError, match="num_slices"):
+        Maker(write_version, np.arange(3), num_slices=4)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_killing_a_makers_worker_mid_run(tmp_path):
+    """Training (checkpoint publishing) goes on, the maker is rerun elsewhere, and its lag recovers."""
+    client = carlskit.connect(n_workers=2, threads_per_worker=1)
+    try:
+        bank = KnowledgeBank(client, num_shards=1)
+        bank.create_table("emb", dim=4, initializer="zeros")
+        bank_worker = bank.shard_workers[0]
+        maker_worker = next(w for w in client.scheduler_info()["workers"] if w != bank_worker)
+        store = CheckpointStore(tmp_path, keep=None)
+        items = np.arange(64)
+        store.save({"w": np.float32(1)}, version=1)
+        maker = Maker(write_version, items, poll_seconds=0.02, workers=[maker_worker]).start(store, bank, client)
+        wait_until(lambda: (bank_versions(bank, items) == 1).all())
+        assert maker_worker in client.processing(), "the maker runs on the chosen worker"
+
+        pid = client.run(os.getpid, workers=[maker_worker])[maker_worker]
+        os.kill(pid, signal.SIGKILL)  # the maker's worker process dies; its nanny starts a new one
+        for version in range(2, 6):  # the trainer keeps publishing meanwhile
+            store.save({"w": np.float32(version)}, version=version)
+            time.sleep(0.2)
+        wait_until(lambda: (bank_versions(bank, items) == 5).all(), seconds=120)
+        assert [s["lag"] for s in maker.status()["slices"]] == [0]
+        assert maker.status()["errors"] == []
+        maker.stop()
+        bank.close()
+    finally:
+        client.close()

@@ -1,0 +1,120 @@
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from carlskit.training import CheckpointStore, Trainer
+
+
+class Linear(nnx.Module):
+    def __init__(self, seed=0):
+        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(seed))
+
+    def __call__(self, x):
+        return self.linear(x)[:, 0]
+
+
+def mse(model, batch):
+    error = model(batch["x"]) - batch["y"]
+    return jnp.mean(error**2), {"max_error": jnp.max(jnp.abs(error))}
+
+
+TRUE_W = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
+
+
+def data(step):
+    rng = np.random.default_rng(step)
+    x = rng.normal(size=(32, 4)).astype(np.float32)
+    return {"x": x, "y": x @ TRUE_W}
+
+
+def test_fit_learns_checkpoints_and_resumes(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=3)
+    trainer = Trainer(Linear(), optax.adam(0.1), mse, checkpoints=store, checkpoint_every=25)
+    history = trainer.fit(data, 100, progress=False)
+    assert len(history) == 100 and history[-1]["step"] == 100
+    assert history[-1]["loss"] < 0.01 * history[0]["loss"]
+    assert "max_error" in history[-1]
+    assert store.versions() == [50, 75, 100]
+    np.testing.assert_allclose(np.asarray(trainer.model.linear.kernel[...])[:, 0], TRUE_W, atol=0.1)
+
+    resumed = Trainer(Linear(seed=9), optax.adam(0.1), mse, checkpoints=store, checkpoint_every=25)
+    assert resumed.step == 100
+    np.testing.assert_array_equal(resumed.model.linear.kernel[...], trainer.model.linear.kernel[...])
+    resumed.fit(data, 5, progress=False)
+    assert resumed.step == 105
+
+
+def test_knowledge_runs_in_the_prefetch_thread_and_statistics_are_logged():
+    threads = set()
+
+    def knowledge(batch):
+        threads.add(threading.current_thread().name)
+        return {**batch, "_embedding_version": 0.0, "_missing_neighbors": 2}
+
+    trainer = Trainer(Linear(), optax.sgd(0.01), mse, knowledge=knowledge)
+    history = trainer.fit(data, 3, progress=False)
+    assert threads == {"carlskit-prefetch"}
+    assert [r["staleness"] for r in history] == [0.0, 1.0, 2.0]
+    assert history[0]["missing_neighbors"] == 2
+
+
+def test_background_fit_can_be_stopped_and_errors_surface():
+    trainer = Trainer(Linear(), optax.sgd(0.01), mse)
+    handle = trainer.fit(data, 1_000_000, block=False, progress=False)
+    while trainer.step < 3:
+        pass
+    handle.stop()
+    assert handle.done and 3 <= trainer.step < 1_000_000
+
+    def broken(step):
+        if step == 2:
+            raise RuntimeError("data source failed at step 2")
+        return data(step)
+
+    handle = Trainer(Linear(), optax.sgd(0.01), mse).fit(broken, 10, block=False, progress=False)
+    with pytest.raises(RuntimeError, match="step 2"):
+        handle.wait()
+
+
+def test_bad_arguments_are_named():
+    with pytest.raises(TypeError, match="model"):
+        Trainer(object(), optax.sgd(0.1), mse)
+    with pytest.raises(TypeError, match="optimizer"):
+        Trainer(Linear(), "adam", mse)
+    with pytest.raises(ValueError, match="steps"):
+        Trainer(Linear(), optax.sgd(0.1), mse).fit(data, 0)
+
+
+DATA_PARALLEL = r"""
+import json, numpy as np, jax, optax
+import test_trainer as t
+from carlskit.training import Trainer
+trainer = Trainer(t.Linear(), optax.sgd(0.05), t.mse)
+history = trainer.fit(t.data, 5, progress=False)
+placed = trainer._place(t.data(0))["x"]
+shards = len(placed.sharding.device_set) if hasattr(placed, "sharding") else 1
+print(json.dumps({"devices": len(jax.devices()), "losses": [r["loss"] for r in history],
+                  "batch_shards": shards}))
+"""
+
+
+def test_data_parallel_over_8_devices_matches_one_device():
+    results = []
+    for flags in ("", "--xla_force_host_platform_device_count=8"):
+        env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
+               "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+        out = subprocess.run([sys.executable, "-c", DATA_PARALLEL], env=env, capture_output=True, text=True,
+                             timeout=240)
+        assert out.returncode == 0, out.stderr[-2000:]
+        results.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    one, eight = results
+    assert one["devices"] == 1 and eight["devices"] == 8 and eight["batch_shards"] == 8
+    np.testing.assert_allclose(one["losses"], eight["losses"], rtol=1e-5)
