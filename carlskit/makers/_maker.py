@@ -183,7 +183,8 @@ class Maker:
             self._running[index] = (thread, result)
         else:
             self._running[index] = self._client.submit(
-                run_maker_slice, *arguments, pure=False, workers=self.workers, allow_other_workers=True,
+                run_maker_slice, *arguments, pure=False, workers=self.workers,
+                allow_other_workers=bool(self.workers),  # preferred workers; rerun elsewhere if lost
                 key=f"maker-{self.name}-{index}-{uuid.uuid4().hex[:8]}",
             )
 
