@@ -234,6 +234,13 @@ class KnowledgeBank:
                 raise
         return results
 
+    def ping(self) -> float:
+        """Seconds for one round trip to every shard at once (raises ShardLostError naming a
+        shard that does not answer): the fixed cost each batched call pays."""
+        start = time.perf_counter()
+        self._call_all("ping")
+        return time.perf_counter() - start
+
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         results = self._call(method, {i: args for i in range(self.num_shards)})
         return [results[i] for i in range(self.num_shards)]
