@@ -425,6 +425,9 @@ class KnowledgeBank:
         with ``index="hnsw"`` answers approximately for its ``index_metric`` unless
         ``exact=True``. ``exclude``: keys to drop, [nq] (e.g. the query's own key) or [nq, m];
         -1 entries exclude nothing. Missing results: key -1. Reflects every write so far.
+        Cached (not yet applied) gradients are not part of the searched values. Inside Dask
+        workers ``OMP_NUM_THREADS=1``, so each shard's faiss search is single-threaded and the
+        shards run in parallel.
         """
         config = self._embedding_config(table, "nearest")
         queries = np.asarray(queries)
