@@ -89,10 +89,13 @@ class ClusterStatus(WidgetDisplay):
         snapshot["devices"] = self._devices or []
         reports = {}
         for source in self.sources:
+            name = _source_name(source)
+            if name in reports:  # two sources of one name (e.g. lambdas) both show
+                name = f"{name} ({sum(key.startswith(name) for key in reports) + 1})"
             try:
-                reports[_source_name(source)] = _source_status(source)
+                reports[name] = _source_status(source)
             except Exception as error:
-                reports[_source_name(source)] = {"error": repr(error)}
+                reports[name] = {"error": repr(error)}
         snapshot["sources"] = reports
         self.snapshot = snapshot
         self.html.value = self._repr_html_()

@@ -99,6 +99,11 @@ class EvalCurves(WidgetDisplay):
         self._redraw()
 
     @property
+    def png(self) -> bytes:
+        """The PNG currently shown."""
+        return bytes(self.image.value)
+
+    @property
     def checkpoints(self) -> list:
         return list(dict.fromkeys(self.frame["checkpoint"].tolist()))
 

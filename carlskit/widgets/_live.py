@@ -89,6 +89,11 @@ class LiveSummaries(WidgetDisplay):
         self.pause_button.observe(self._on_pause_change, names="value")
         self._updater = PeriodicThread(self._background_update, every_seconds, "carlskit-live-summaries")
 
+    @property
+    def png(self) -> bytes:
+        """The PNG currently shown."""
+        return bytes(self.image.value)
+
     # -- settings ------------------------------------------------------------------------------
     @property
     def smoothing(self) -> float:
@@ -152,7 +157,7 @@ class LiveSummaries(WidgetDisplay):
                 name: {"step": int(frame["step"].iat[-1]), "value": float(frame["value"].iat[-1])}
                 for name, frame in frames.items() if len(frame)
             }
-            changed = png != self.image.value
+            changed = png != self.png
             self.image.value = png
             self._signature = signature
             self.renders += 1
@@ -223,10 +228,10 @@ class LiveSummaries(WidgetDisplay):
         return [{"summary": name, **row} for name, row in self.latest.items()]
 
     def _repr_html_(self) -> str:
-        if self._signature is None:
+        if not self.running:  # a static snapshot: read what is there now
             self._background_update()
         title = f"<b>LiveSummaries</b> {html.escape(str(self.reader.logdir))}"
-        return f"<div>{title}<br/>{png_img_tag(self.image.value, 'summaries')}{html_table(self._rows())}</div>"
+        return f"<div>{title}<br/>{png_img_tag(self.png, 'summaries')}{html_table(self._rows())}</div>"
 
     def __repr__(self) -> str:
         state = "paused" if self.paused else ("running" if self.running else "stopped")
