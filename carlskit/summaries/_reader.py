@@ -85,15 +85,11 @@ class SummaryReader:
         return new_entries
 
     def _columns(self, kind: int, name: str, level: int = 0) -> list[np.ndarray] | None:
-        """Concatenated columns of one summary; merged in place so the next call is cheap."""
-        state = self._levels[level]
-        records = state.records.get((kind, name))
+        """Fresh, writable arrays of one summary (one copy out of the read blocks)."""
+        records = self._levels[level].records.get((kind, name))
         if not records:
             return None
-        if len(records) > 1:
-            merged = [np.concatenate(parts) for parts in zip(*(record.columns for record in records))]
-            records[:] = [_format.Record(kind, name, sum(record.count for record in records), merged)]
-        return records[0].columns
+        return [np.concatenate(parts) for parts in zip(*(record.columns for record in records))]
 
     # -- queries -------------------------------------------------------------------------------
     def names(self, kind: str | None = None) -> list[str]:
@@ -124,7 +120,7 @@ class SummaryReader:
             steps, kind="stable")
         if order is not None:
             steps, wall_times, values = steps[order], wall_times[order], values[order]
-        return pd.DataFrame({"step": steps, "wall_time": wall_times, "value": values}, copy=True)
+        return pd.DataFrame({"step": steps, "wall_time": wall_times, "value": values}, copy=False)
 
     def _choose_level(self, name: str, max_points: int | None) -> int:
         if max_points is None:
@@ -157,7 +153,7 @@ class SummaryReader:
             edges.append(data[position:position + bin_count + 1].copy())
             counts.append(data[position + bin_count + 1:position + 2 * bin_count + 1].copy())
             position += 2 * bin_count + 1
-        return pd.DataFrame({"step": steps.copy(), "wall_time": wall_times.copy(),
+        return pd.DataFrame({"step": steps, "wall_time": wall_times,
                              "edges": edges, "counts": counts})
 
     def samples(self, name: str) -> pd.DataFrame:
@@ -170,7 +166,7 @@ class SummaryReader:
         steps, wall_times, sizes, lengths, data = columns
         bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         values = [data[bounds[i]:bounds[i + 1]].copy() for i in range(len(lengths))]
-        return pd.DataFrame({"step": steps.copy(), "wall_time": wall_times.copy(),
+        return pd.DataFrame({"step": steps, "wall_time": wall_times,
                              "original_size": sizes.astype(np.int64), "values": values})
 
     def texts(self, name: str) -> pd.DataFrame:
@@ -184,7 +180,7 @@ class SummaryReader:
         bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
         raw = data.tobytes()
         texts = [raw[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(len(lengths))]
-        return pd.DataFrame({"step": steps.copy(), "wall_time": wall_times.copy(), "text": texts})
+        return pd.DataFrame({"step": steps, "wall_time": wall_times, "text": texts})
 
     def __repr__(self) -> str:
         return f"SummaryReader({str(self.logdir)!r})"
