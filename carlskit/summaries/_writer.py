@@ -8,6 +8,7 @@ and keep subsampled copies for fast plotting.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import math
 import os
 import threading
@@ -155,11 +156,7 @@ class SummaryWriter:
             self._files = SummaryFiles(self.logdir, new_origin("writer"))
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=_flush_loop, args=(weakref.ref(self), self._wake, self._stop),
-            name="carlskit-summary-flush", daemon=True,
-        )
-        self._thread.start()
+        self._thread: threading.Thread | None = None  # started by the first logging call
         _open_writers.add(self)
 
     # -- aggregators ---------------------------------------------------------------------------
@@ -189,6 +186,19 @@ class SummaryWriter:
         return (_rebuild_writer, (str(self.logdir), aggregators, self.sample_rate,
                                   self.flush_every_seconds, self.max_pending))
 
+    def _start_flush_thread(self) -> None:
+        """Start the background flush in a copy of the caller's context: inside a Dask task that
+        context names the worker, which actor calls from the thread need."""
+        with self._lock:
+            if self._thread is not None or self._closed:
+                return
+            self._thread = threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(_flush_loop, weakref.ref(self), self._wake, self._stop),
+                name="carlskit-summary-flush", daemon=True,
+            )
+            self._thread.start()
+
     # -- logging -------------------------------------------------------------------------------
     def _keep(self, sample_rate: float | None) -> bool:
         rate = self.sample_rate if sample_rate is None else _check_rate(sample_rate)
@@ -198,6 +208,8 @@ class SummaryWriter:
         """Log one scalar; return whether it was kept by sampling. Costs about a microsecond."""
         if self._closed:
             raise RuntimeError("SummaryWriter is closed")
+        if self._thread is None:
+            self._start_flush_thread()
         try:
             value, step = float(value), int(step)
         except (TypeError, ValueError) as error:
@@ -222,6 +234,8 @@ class SummaryWriter:
         return how many were kept."""
         if self._closed:
             raise RuntimeError("SummaryWriter is closed")
+        if self._thread is None:
+            self._start_flush_thread()
         _check_name(name)
         values = np.asarray(values, dtype=np.float64).reshape(-1)
         steps = np.asarray(steps)
@@ -260,6 +274,8 @@ class SummaryWriter:
         (``mode="samples"``)."""
         if self._closed:
             raise RuntimeError("SummaryWriter is closed")
+        if self._thread is None:
+            self._start_flush_thread()
         _check_name(name)
         flat = np.asarray(values, dtype=np.float64).reshape(-1)
         if mode == "histogram":
@@ -293,6 +309,8 @@ class SummaryWriter:
         """Log a string."""
         if self._closed:
             raise RuntimeError("SummaryWriter is closed")
+        if self._thread is None:
+            self._start_flush_thread()
         _check_name(name)
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
@@ -359,7 +377,7 @@ class SummaryWriter:
             return
         self._stop.set()
         self._wake.set()
-        if threading.current_thread() is not self._thread:
+        if self._thread is not None and threading.current_thread() is not self._thread:
             self._thread.join()
         try:
             self.flush()
