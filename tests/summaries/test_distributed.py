@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import psutil
 import pytest
 
@@ -24,10 +26,13 @@ def client():
 
 
 def log_from_task(writer: SummaryWriter, task: int, points: int) -> int:
-    """Runs on a Dask worker: the unpickled writer logs through the same aggregators."""
+    """Runs on a Dask worker: the unpickled writer logs through the same aggregators. The task
+    runs longer than the flush period, so the copy's background thread flushes from the worker."""
     with writer:
         for step in range(points):
             writer.scalar(f"task{task}/loss", task + step / points, step)
+            if step % 500 == 0:
+                time.sleep(0.05)
         writer.text(f"task{task}/where", "worker", 0)
     return points
 
@@ -59,7 +64,7 @@ def test_aggregators_shard_by_name_and_everything_is_read_back(client, tmp_path)
 
 def test_writes_from_code_running_on_dask_workers(client, tmp_path):
     points = 3_000
-    with SummaryWriter(tmp_path, client=client) as writer:
+    with SummaryWriter(tmp_path, client=client, flush_every_seconds=0.02) as writer:
         writer.scalar("driver/loss", 1.0, 0)
         futures = client.map(log_from_task, [writer] * 4, range(4), [points] * 4, pure=False)
         assert client.gather(futures) == [points] * 4
