@@ -192,11 +192,8 @@ def test_bad_input_names_the_argument(tmp_path):
     assert SummaryReader(tmp_path).names() == []
 
 
-def test_shard_of_is_stable_across_processes():
+def test_shard_of_is_crc32_so_every_process_agrees():
     names = ["loss", "train/accuracy", "ünï"]
-    expected = [zlib.crc32(name.encode()) % 5 for name in names]
-    assert [shard_of(name, 5) for name in names] == expected
-    code = "from carlskit.summaries import shard_of; print([shard_of(n, 5) for n in ['loss', 'train/accuracy', 'ünï']])"
-    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT), PYTHONHASHSEED="123")
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == str(expected)
+    # zlib.crc32 is a fixed function of the bytes (unlike hash(), salted per process by PYTHONHASHSEED)
+    assert [shard_of(name, 7) for name in names] == [zlib.crc32(name.encode()) % 7 for name in names]
+    assert [shard_of(name, 7) for name in names] == [1, 6, 6]
