@@ -95,6 +95,8 @@ class SummaryWriter:
 
     The writer pickles: a copy sent to a Dask task logs through the same aggregators (or, without a
     client, to its own files); closing that copy flushes it and leaves the aggregators running.
+    A copy samples from fresh entropy, not from ``seed``. Points still buffered in a writer that is
+    garbage-collected without :meth:`close` are lost (open writers are closed at interpreter exit).
     Use it as a context manager or call :meth:`close`; :meth:`flush` blocks until everything logged
     so far is in the files.
 

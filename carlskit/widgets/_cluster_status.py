@@ -149,7 +149,7 @@ class ClusterStatus(WidgetDisplay):
     def _repr_html_(self) -> str:
         snapshot = self.snapshot
         where = "no cluster (this process only)" if self.client is None else html.escape(
-            str(getattr(self.client, "scheduler", None) and self.client.scheduler.address))
+            str(getattr(getattr(self.client, "scheduler", None), "address", "")))
         parts = [f"<b>ClusterStatus</b> {where} at {snapshot.get('time', '')}"]
         if self.client is not None:
             parts.append(f"<h4>workers ({len(snapshot['workers'])})</h4>"
