@@ -71,7 +71,14 @@ def wait_for_server(url: str, process: subprocess.Popen, seconds: float) -> None
 
 
 @pytest.fixture
-def jupyter_lab(tmp_path):
+def browser_tools() -> None:
+    """Checked before JupyterLab starts: a skip locally, a failure in CI."""
+    require(CHROMIUM.exists(), f"{CHROMIUM} is absent (Debian package 'chromium')")
+    require(sync_playwright is not None, "the 'playwright' Python package is not installed")
+
+
+@pytest.fixture
+def jupyter_lab(browser_tools, tmp_path):
     """A JupyterLab server on a free port of 127.0.0.1 serving a copy of the notebook."""
     root = tmp_path / "notebooks"
     root.mkdir()
@@ -133,8 +140,6 @@ def element_digest(locator) -> str:
 
 
 def test_live_summaries_render_and_update_in_a_real_browser(jupyter_lab, tmp_path):
-    require(CHROMIUM.exists(), f"{CHROMIUM} is absent (Debian package 'chromium')")
-    require(PlaywrightTimeout is not None, "the 'playwright' Python package is not installed")
     screenshot = tmp_path / "live_summaries.png"
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS)
