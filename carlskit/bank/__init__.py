@@ -1,5 +1,21 @@
 """The knowledge bank (CARLS section 3.2): sharded embeddings and feature records shared by trainers
-and makers, with lazy averaged gradient updates and nearest-neighbour search."""
+and makers, with lazy averaged gradient updates and nearest-neighbour search.
+
+Lazy update rule (per key, per embedding table; thresholds set in ``create_table``):
+gradients sent with ``apply_gradients`` are cached until the key is looked up, until it has
+``max_pending`` cached gradients, or until its oldest cached gradient is older than
+``pending_ttl_seconds`` (checked at the start of every call reaching the key's shard, and by
+``flush``). Then, all cached gradients of the key together:
+
+1. gradients containing NaN or Inf are dropped (``stats()["tables"][t]["dropped_nonfinite"]``);
+2. if at least 3 remain, g_i is dropped when ``||g_i|| > median(n) + outlier_threshold * 1.4826 *
+   median(|n - median(n)|)`` over the remaining norms n (``dropped_outliers``; default threshold 3);
+3. the rest are averaged, g = mean(g_i), and one step is taken: ``sgd`` v -= lr * g, ``adagrad``
+   a += g**2, v -= lr * g / sqrt(a + eps) (a starts at ``initial_accumulator_value``).
+
+Gradients from every sender (processes, Dask tasks) are cached and counted; ``update`` of a key
+discards its cached gradients. See :func:`combine_gradients` for the pure, vectorized rule.
+"""
 
 from ._bank import KnowledgeBank, ShardLostError
 from ._hashing import key_from_string

@@ -234,6 +234,13 @@ class KnowledgeBank:
                 raise
         return results
 
+    def ping(self) -> float:
+        """Seconds for one round trip to every shard at once (raises ShardLostError naming a
+        shard that does not answer): the fixed cost each batched call pays."""
+        start = time.perf_counter()
+        self._call_all("ping")
+        return time.perf_counter() - start
+
     def _call_all(self, method: str, *args: Any) -> list[Any]:
         results = self._call(method, {i: args for i in range(self.num_shards)})
         return [results[i] for i in range(self.num_shards)]
@@ -418,6 +425,9 @@ class KnowledgeBank:
         with ``index="hnsw"`` answers approximately for its ``index_metric`` unless
         ``exact=True``. ``exclude``: keys to drop, [nq] (e.g. the query's own key) or [nq, m];
         -1 entries exclude nothing. Missing results: key -1. Reflects every write so far.
+        Cached (not yet applied) gradients are not part of the searched values. Inside Dask
+        workers ``OMP_NUM_THREADS=1``, so each shard's faiss search is single-threaded and the
+        shards run in parallel.
         """
         config = self._embedding_config(table, "nearest")
         queries = np.asarray(queries)

@@ -63,28 +63,44 @@ def combine_gradients(
     """
     finite = np.isfinite(gradients).all(axis=1)
     dropped_nonfinite = int(len(finite) - finite.sum())
-    gradients, groups = gradients[finite], groups[finite]
+    if dropped_nonfinite:
+        gradients, groups = gradients[finite], groups[finite]
     counts = np.bincount(groups, minlength=num_groups)
     dropped_outliers = 0
     if len(groups) and counts.max() >= 3:
-        norms = np.sqrt(np.einsum("ij,ij->i", gradients, gradients, dtype=np.float64))
-        median = _group_median(norms, groups, num_groups)
-        mad = _group_median(np.abs(norms - median[groups]), groups, num_groups)
+        candidates = np.flatnonzero(counts[groups] >= 3)  # the rule only looks at these keys
+        sub_gradients, sub_groups = gradients[candidates], groups[candidates]
+        norms = np.sqrt(np.einsum("ij,ij->i", sub_gradients, sub_gradients, dtype=np.float64))
+        median = _group_median(norms, sub_groups, num_groups)
+        mad = _group_median(np.abs(norms - median[sub_groups]), sub_groups, num_groups)
         limit = median + outlier_threshold * MAD_TO_STD * mad
-        outlier = (counts[groups] >= 3) & (norms > limit[groups])
-        dropped_outliers = int(outlier.sum())
-        gradients, groups = gradients[~outlier], groups[~outlier]
-        counts = np.bincount(groups, minlength=num_groups)
+        outlier = candidates[norms > limit[sub_groups]]
+        dropped_outliers = len(outlier)
+        if dropped_outliers:
+            keep = np.ones(len(groups), dtype=bool)
+            keep[outlier] = False
+            gradients, groups = gradients[keep], groups[keep]
+            counts = np.bincount(groups, minlength=num_groups)
     group_index = np.flatnonzero(counts)
     order = np.argsort(groups, kind="stable")
+    sorted_gradients = gradients[order]
+    group_counts = counts[group_index]
     if len(groups) == len(group_index):  # one gradient per key: the common case, no reduction
-        mean = gradients[order]
-    else:  # per-group sums as differences of a float64 running sum (faster than add.reduceat)
-        running = np.cumsum(gradients[order], axis=0, dtype=np.float64)
-        ends = np.cumsum(counts[group_index]) - 1
+        mean = sorted_gradients
+    else:  # keys with one gradient are copied; the others summed via a float64 running sum
+        mean = np.empty((len(group_index), gradients.shape[1]), np.float32)
+        single = group_counts == 1
+        starts = np.cumsum(group_counts) - group_counts
+        mean[single] = sorted_gradients[starts[single]]
+        multi = np.flatnonzero(~single)
+        entries = np.repeat(starts[multi], group_counts[multi]) + (
+            np.arange(group_counts[multi].sum()) - np.repeat(
+                np.cumsum(group_counts[multi]) - group_counts[multi], group_counts[multi]))
+        running = np.cumsum(sorted_gradients[entries], axis=0, dtype=np.float64)
+        ends = np.cumsum(group_counts[multi]) - 1
         sums = running[ends]
         sums[1:] -= running[ends[:-1]]
-        mean = (sums / counts[group_index][:, None]).astype(np.float32)
+        mean[multi] = sums / group_counts[multi][:, None]
     return CombinedGradients(
         group_index, mean.astype(np.float32, copy=False), counts[group_index],
         dropped_nonfinite, dropped_outliers,

@@ -50,3 +50,28 @@ def test_optimizer_steps():
     np.testing.assert_allclose(acc, [[0.35, 1.1]])
     np.testing.assert_allclose(new_v, [[1 - 0.1 * 0.5 / np.sqrt(0.35 + 1e-7),
                                         2 + 0.1 / np.sqrt(1.1 + 1e-7)]], rtol=1e-6)
+
+
+def test_matches_a_per_key_loop_on_random_groups():
+    rng = np.random.default_rng(3)
+    grads = rng.normal(size=(500, 5)).astype(np.float32)
+    grads[rng.integers(0, 500, 20), 0] = np.nan
+    groups = rng.integers(0, 200, 500)
+    out = combine_gradients(grads, groups, 200, outlier_threshold=2.0)
+    dropped = 0
+    expected = {}
+    for key in range(200):
+        g = grads[groups == key]
+        g = g[np.isfinite(g).all(1)]
+        if len(g) >= 3:
+            norms = np.linalg.norm(g.astype(np.float64), axis=1)
+            med = np.median(norms)
+            keep = norms <= med + 2.0 * 1.4826 * np.median(np.abs(norms - med))
+            dropped += int((~keep).sum())
+            g = g[keep]
+        if len(g):
+            expected[key] = g.mean(0)
+    assert out.dropped_outliers == dropped and out.dropped_nonfinite == 20
+    assert list(out.group_index) == sorted(expected)
+    np.testing.assert_allclose(out.mean_gradient, np.stack([expected[k] for k in sorted(expected)]),
+                               rtol=1e-5, atol=1e-6)

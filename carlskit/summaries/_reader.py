@@ -1,0 +1,195 @@
+"""``SummaryReader``: incremental, crash-tolerant reads of a summary log directory."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from carlskit.summaries import _format
+
+
+class _Level:
+    """What has been read so far of the files of one decimation level."""
+
+    def __init__(self):
+        self.offsets: dict[Path, int] = {}  # bytes consumed per file (header included)
+        self.records: dict[tuple[int, str], list[_format.Record]] = {}
+        self.counts: dict[tuple[int, str], int] = {}
+
+
+class SummaryReader:
+    """Read the summaries in ``logdir`` while writers are still writing.
+
+    Every query first reads what was appended since the last one (file offsets are kept, so a
+    refresh costs one ``stat`` per file when nothing changed). Only complete records are returned;
+    a torn or half-written last record is left for a later refresh. Scalars come back as a pandas
+    DataFrame with columns ``step``, ``wall_time``, ``value``, ordered by step.
+
+    Args:
+      logdir: the writer's ``logdir``.
+      on_corrupt: ``"raise"`` (default) raises :class:`CorruptRecordError` on a record whose CRC32
+        does not match; ``"skip"`` skips it and counts it in :attr:`corrupt_records`.
+    """
+
+    def __init__(self, logdir: str | os.PathLike, *, on_corrupt: str = "raise"):
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise TypeError(f"logdir must be a path, got {type(logdir).__name__}")
+        if on_corrupt not in ("raise", "skip"):
+            raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        self.logdir = Path(logdir)
+        self.on_corrupt = on_corrupt
+        self.corrupt_records = 0
+        self._levels: dict[int, _Level] = {}
+        self._lock = threading.RLock()
+
+    # -- reading -------------------------------------------------------------------------------
+    def refresh(self, level: int = 0) -> int:
+        """Read records appended since the last call at this decimation level; return how many
+        entries were new."""
+        with self._lock:
+            state = self._levels.setdefault(level, _Level())
+            new_entries = 0
+            if not self.logdir.is_dir():
+                return 0
+            for path in sorted(self.logdir.glob(f"*.level{level}.summaries")):
+                new_entries += self._read_file(path, state)
+            return new_entries
+
+    def _read_file(self, path: Path, state: _Level) -> int:
+        offset = state.offsets.get(path, 0)
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            return 0
+        if size - offset < (_format.FILE_HEADER.size if offset == 0 else _format.RECORD_HEADER.size):
+            return 0
+        with open(path, "rb") as file:
+            if offset == 0:
+                _format.check_file_header(file.read(_format.FILE_HEADER.size), str(path))
+                offset = _format.FILE_HEADER.size
+            file.seek(offset)
+            block = file.read(size - offset)
+        records, consumed, corrupt = _format.scan_records(block, str(path), offset, self.on_corrupt)
+        self.corrupt_records += corrupt
+        state.offsets[path] = offset + consumed
+        new_entries = 0
+        for record in records:
+            key = (record.kind, record.name)
+            state.records.setdefault(key, []).append(record)
+            state.counts[key] = state.counts.get(key, 0) + record.count
+            new_entries += record.count
+        return new_entries
+
+    def _columns(self, kind: int, name: str, level: int = 0) -> list[np.ndarray] | None:
+        """Fresh, writable arrays of one summary (one copy out of the read blocks)."""
+        records = self._levels[level].records.get((kind, name))
+        if not records:
+            return None
+        return [np.concatenate(parts) for parts in zip(*(record.columns for record in records))]
+
+    # -- queries -------------------------------------------------------------------------------
+    def names(self, kind: str | None = None) -> list[str]:
+        """Sorted summary names, optionally of one kind (``"scalars"``, ``"histograms"``,
+        ``"samples"``, ``"texts"``)."""
+        kinds = _kind_codes(kind)
+        with self._lock:
+            self.refresh(0)
+            return sorted({name for code, name in self._levels[0].records if code in kinds})
+
+    def scalars(self, name: str, *, max_points: int | None = None) -> pd.DataFrame:
+        """Points of scalar ``name`` as a DataFrame (``step``, ``wall_time``, ``value``).
+
+        With ``max_points``, reads the finest subsampled copy holding at most about that many
+        points (each level keeps every 16th point of the one below), so plotting millions of
+        points reads only thousands. Unknown names give an empty frame.
+        """
+        if max_points is not None and (not isinstance(max_points, int) or max_points < 1):
+            raise ValueError(f"max_points must be a positive int or None, got {max_points!r}")
+        with self._lock:
+            level = self._choose_level(name, max_points)
+            columns = self._columns(_format.SCALARS, name, level)
+        if columns is None:
+            return pd.DataFrame({"step": np.zeros(0, np.int64), "wall_time": np.zeros(0),
+                                 "value": np.zeros(0)})
+        steps, wall_times, values = columns
+        order = None if steps.size < 2 or bool(np.all(steps[1:] >= steps[:-1])) else np.argsort(
+            steps, kind="stable")
+        if order is not None:
+            steps, wall_times, values = steps[order], wall_times[order], values[order]
+        return pd.DataFrame({"step": steps, "wall_time": wall_times, "value": values}, copy=False)
+
+    def _choose_level(self, name: str, max_points: int | None) -> int:
+        if max_points is None:
+            self.refresh(0)
+            return 0
+        for level in range(_format.DECIMATION_LEVELS, 0, -1):
+            self.refresh(level)
+            count = self._levels[level].counts.get((_format.SCALARS, name), 0)
+            if count and count * _format.DECIMATION_FACTOR > max_points:
+                return level
+        self.refresh(0)
+        return 0
+
+    def count(self, name: str) -> int:
+        """Number of scalar points of ``name`` at full resolution."""
+        with self._lock:
+            self.refresh(0)
+            return self._levels[0].counts.get((_format.SCALARS, name), 0)
+
+    def histograms(self, name: str) -> pd.DataFrame:
+        """Histograms of ``name``: ``step``, ``wall_time``, ``edges`` (array), ``counts`` (array)."""
+        with self._lock:
+            self.refresh(0)
+            columns = self._columns(_format.HISTOGRAMS, name)
+        if columns is None:
+            return pd.DataFrame(columns=["step", "wall_time", "edges", "counts"])
+        steps, wall_times, bins, data = columns
+        edges, counts, position = [], [], 0
+        for bin_count in bins.tolist():
+            edges.append(data[position:position + bin_count + 1].copy())
+            counts.append(data[position + bin_count + 1:position + 2 * bin_count + 1].copy())
+            position += 2 * bin_count + 1
+        return pd.DataFrame({"step": steps, "wall_time": wall_times,
+                             "edges": edges, "counts": counts})
+
+    def samples(self, name: str) -> pd.DataFrame:
+        """Array subsamples of ``name``: ``step``, ``wall_time``, ``original_size``, ``values``."""
+        with self._lock:
+            self.refresh(0)
+            columns = self._columns(_format.SAMPLES, name)
+        if columns is None:
+            return pd.DataFrame(columns=["step", "wall_time", "original_size", "values"])
+        steps, wall_times, sizes, lengths, data = columns
+        bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        values = [data[bounds[i]:bounds[i + 1]].copy() for i in range(len(lengths))]
+        return pd.DataFrame({"step": steps, "wall_time": wall_times,
+                             "original_size": sizes.astype(np.int64), "values": values})
+
+    def texts(self, name: str) -> pd.DataFrame:
+        """Strings logged under ``name``: ``step``, ``wall_time``, ``text``."""
+        with self._lock:
+            self.refresh(0)
+            columns = self._columns(_format.TEXTS, name)
+        if columns is None:
+            return pd.DataFrame(columns=["step", "wall_time", "text"])
+        steps, wall_times, lengths, data = columns
+        bounds = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        raw = data.tobytes()
+        texts = [raw[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(len(lengths))]
+        return pd.DataFrame({"step": steps, "wall_time": wall_times, "text": texts})
+
+    def __repr__(self) -> str:
+        return f"SummaryReader({str(self.logdir)!r})"
+
+
+def _kind_codes(kind: str | None) -> set[int]:
+    if kind is None:
+        return set(_format.KIND_NAMES)
+    codes = {label: code for code, label in _format.KIND_NAMES.items()}
+    if kind not in codes:
+        raise ValueError(f"kind must be one of {sorted(codes)} or None, got {kind!r}")
+    return {codes[kind]}

@@ -1,0 +1,12 @@
+"""Notebook dashboards: live summaries, evaluation curves per checkpoint, cluster status.
+
+Each object shows an ipywidgets view in a notebook and falls back to HTML (``_repr_html_``) or
+text (``__repr__``) where no widget front end exists.
+"""
+
+from carlskit.widgets._cluster_status import ClusterStatus
+from carlskit.widgets._display import smooth
+from carlskit.widgets._eval_curves import EvalCurves, curves_frame
+from carlskit.widgets._live import LiveSummaries
+
+__all__ = ["LiveSummaries", "EvalCurves", "ClusterStatus", "curves_frame", "smooth"]

@@ -1,0 +1,145 @@
+"""Shared pieces of the notebook dashboards: PNG rendering without pyplot, tables, display."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def render_png(draw: Callable[[Figure], None], width_inches: float, height_inches: float,
+               dpi: int = 90) -> bytes:
+    """PNG bytes of a figure drawn by ``draw``. Uses ``matplotlib.figure.Figure`` with the Agg
+    canvas directly: thread-safe, never registered with pyplot, freed when done."""
+    figure = Figure(figsize=(width_inches, height_inches), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(figure)
+    try:
+        draw(figure)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", metadata={"Software": None})
+        return buffer.getvalue()
+    finally:
+        figure.clear()
+
+
+def smooth(values: np.ndarray, weight: float) -> np.ndarray:
+    """Debiased exponential moving average (as TensorBoard's smoothing slider):
+    ``m_t = w m_{t-1} + (1 - w) x_t``, shown as ``m_t / (1 - w^t)``. Non-finite points are
+    skipped (they keep the running average)."""
+    values = np.asarray(values, dtype=np.float64)
+    if weight <= 0 or values.size == 0:
+        return values
+    out = np.empty_like(values)
+    average, count = 0.0, 0
+    for index, value in enumerate(values.tolist()):
+        if np.isfinite(value):
+            average = weight * average + (1 - weight) * value
+            count += 1
+        out[index] = average / (1 - weight**count) if count else np.nan
+    return out
+
+
+def png_img_tag(png: bytes, alt: str) -> str:
+    if not png:
+        return f"<p><i>{html.escape(alt)}: no data yet</i></p>"
+    encoded = base64.b64encode(png).decode("ascii")
+    return f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{encoded}"/>'
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def html_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    if not rows:
+        return "<p><i>none</i></p>"
+    columns = list(columns or _columns_of(rows))
+    head = "".join(f"<th>{html.escape(str(name))}</th>" for name in columns)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_cell(row.get(name, '')))}</td>" for name in columns) + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def text_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] | None = None) -> str:
+    if not rows:
+        return "  (none)"
+    columns = list(columns or _columns_of(rows))
+    cells = [columns] + [[_cell(row.get(name, "")) for name in columns] for row in rows]
+    widths = [max(len(str(line[i])) for line in cells) for i in range(len(columns))]
+    return "\n".join("  " + "  ".join(str(v).ljust(w) for v, w in zip(line, widths)).rstrip()
+                     for line in cells)
+
+
+def _columns_of(rows: Sequence[dict[str, Any]]) -> list[str]:
+    columns: list[str] = []
+    for row in rows:
+        columns.extend(name for name in row if name not in columns)
+    return columns
+
+
+class WidgetDisplay:
+    """Mixin: in a notebook show ``self.widget`` (an ipywidgets container), and give front ends
+    without widget support (nbconvert, GitHub, a plain terminal) HTML and text fallbacks in the
+    same display bundle."""
+
+    widget: Any
+
+    def _on_display(self) -> None:
+        """Hook run when the object is displayed (start background updates)."""
+
+    def _repr_html_(self) -> str:  # pragma: no cover - every subclass overrides
+        return html.escape(repr(self))
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, Any]:
+        self._on_display()
+        bundle = {"text/plain": repr(self), "text/html": self._repr_html_()}
+        view = self.widget._repr_mimebundle_().get(WIDGET_VIEW)
+        if view is not None:
+            bundle[WIDGET_VIEW] = view
+        return bundle
+
+
+class PeriodicThread:
+    """Calls ``action`` every ``every_seconds`` on a daemon thread until stopped."""
+
+    def __init__(self, action: Callable[[], None], every_seconds: float, name: str):
+        self._action = action
+        self.every_seconds = every_seconds
+        self._name = name
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> None:
+        if self.running:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._action()
+            self._stop.wait(self.every_seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
