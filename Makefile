@@ -9,7 +9,7 @@ LAB_PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test venv clean
+.PHONY: lab test venv clean browser
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -28,6 +28,11 @@ lab: $(STAMP)
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
 test: $(STAMP)
 	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=600 -p no:cacheprovider -rfE --durations=15
+
+# The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).
+# Without /usr/bin/chromium that one test is skipped locally; .ci/run installs it.
+browser:
+	@test -x /usr/bin/chromium || { S=$$([ "$$(id -u)" = 0 ] || echo sudo); $$S apt-get update -qq && $$S env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium; }
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -152,7 +152,9 @@ def _start_local_cluster(*, environment: dict[str, str], timeout: float, **clust
     saved = {name: os.environ.get(name) for name in spawn_environ}
     try:
         with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_environ}):
-            cluster = LocalCluster(host="127.0.0.1", timeout=timeout, **cluster_kwargs)
+            # Worker processes listen on loopback only; threads in this process talk in-process.
+            host = {"host": "127.0.0.1"} if cluster_kwargs["processes"] or "protocol" in cluster_kwargs else {}
+            cluster = LocalCluster(timeout=timeout, **host, **cluster_kwargs)
     finally:
         for name, value in saved.items():
             if value is None:

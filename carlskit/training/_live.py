@@ -1,12 +1,18 @@
-"""A live loss plot for notebooks: an ipywidgets Image re-rendered off-screen, set from any thread."""
+"""The trainer's live loss plot: an ipywidgets Image re-rendered off-screen, set from any thread.
+
+Rendering and smoothing are the widgets package's (:mod:`carlskit.widgets`); this class only holds
+the trainer's in-memory history. A trainer that logs to a ``SummaryWriter`` shows
+:class:`carlskit.widgets.LiveSummaries` instead.
+"""
 
 from __future__ import annotations
 
-import io
 import threading
 import time
 
 import numpy as np
+
+from carlskit.widgets._display import render_png, smooth
 
 
 def in_notebook() -> bool:
@@ -19,25 +25,12 @@ def in_notebook() -> bool:
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
 
 
-def smooth(values: np.ndarray, weight: float) -> np.ndarray:
-    """Exponential moving average with bias correction (as TensorBoard's smoothing slider)."""
-    if not 0.0 <= weight < 1.0:
-        raise ValueError(f"weight must be in [0, 1), got {weight}")
-    out = np.empty(len(values), dtype=np.float64)
-    average, correction = 0.0, 1.0
-    for i, value in enumerate(values):
-        average = weight * average + (1 - weight) * value
-        correction *= weight
-        out[i] = average / (1 - correction) if correction < 1 else value
-    return out
-
-
 class LivePlot:
     """Curves of named series against step, updated in place.
 
-    ``update(series)`` may be called from any thread: it renders a PNG with a non-pyplot matplotlib
-    ``Figure`` (closed with the call) and sets the widget's ``value``; no ``display()`` from threads.
-    Renders at most every ``every_seconds``; ``update(..., force=True)`` renders now.
+    ``update(series)`` may be called from any thread: it renders a PNG and sets the widget's
+    ``value`` (no ``display()`` from threads, no pyplot figure left open). Renders at most every
+    ``every_seconds``; ``update(..., force=True)`` renders now.
     """
 
     def __init__(self, title: str = "training", *, every_seconds: float = 1.0, smoothing: float = 0.6,
@@ -60,25 +53,16 @@ class LivePlot:
             return False
         with self._lock:
             self._last = now
-            self.widget.value = self.render_png(series)
+            self.widget.value = render_png(lambda figure: self._draw(figure, series), *self.size)
             self.renders += 1
         return True
 
-    def render_png(self, series: dict[str, tuple[np.ndarray, np.ndarray]]) -> bytes:
-        from matplotlib.figure import Figure
-
-        figure = Figure(figsize=self.size, dpi=90)
+    def _draw(self, figure, series) -> None:
         axes = figure.subplots(1, max(len(series), 1), squeeze=False)[0]
         for ax, (name, (steps, values)) in zip(axes, series.items()):
-            values = np.asarray(values, dtype=np.float64)
             ax.plot(steps, values, alpha=0.3, color="C0")
-            if len(values):
-                ax.plot(steps, smooth(values, self.smoothing), color="C0")
+            ax.plot(steps, smooth(values, self.smoothing), color="C0")
             ax.set_title(name, fontsize=9)
             ax.set_xlabel("step", fontsize=8)
             ax.tick_params(labelsize=7)
         figure.suptitle(self.title, fontsize=10)
-        figure.tight_layout()
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png")
-        return buffer.getvalue()

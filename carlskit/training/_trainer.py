@@ -164,11 +164,18 @@ class Trainer:
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
         live = in_notebook() if live is None else live
-        plot = LivePlot("Trainer") if live else None
-        if plot is not None:
+        plot = None
+        if live:
             from IPython.display import display
 
-            display(plot.widget)  # from the calling thread; the training thread only sets values
+            logdir = getattr(self.summaries, "logdir", None)
+            if logdir is not None:  # the summaries' own live view, reading what the writer flushes
+                from carlskit.widgets import LiveSummaries
+
+                display(LiveSummaries(logdir, names=["train/loss", "train/staleness"]))
+            else:
+                plot = LivePlot("Trainer")
+                display(plot.widget)  # from the calling thread; the training thread only sets values
         stop = threading.Event()
         if block:
             self._fit(data, steps, stop, progress, plot)

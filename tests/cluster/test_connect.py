@@ -48,6 +48,15 @@ def test_embedded_cluster_is_started_once_and_configures_workers():
     assert distributed.client._get_global_client() is None
 
 
+def test_in_process_cluster():
+    client = carlskit.connect(n_workers=1, processes=False)
+    try:
+        assert client.submit(sum, [1, 2, 3]).result() == 6
+        assert client.scheduler.address.startswith("inproc://")
+    finally:
+        client.close()
+
+
 def test_scheduler_address_from_environment(monkeypatch):
     with distributed.LocalCluster(
         n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None

@@ -118,3 +118,14 @@ def test_data_parallel_over_8_devices_matches_one_device():
     one, eight = results
     assert one["devices"] == 1 and eight["devices"] == 8 and eight["batch_shards"] == 8
     np.testing.assert_allclose(one["losses"], eight["losses"], rtol=1e-5)
+
+
+def test_trainer_logs_every_step_to_summaries(tmp_path):
+    from carlskit.summaries import SummaryReader, SummaryWriter
+
+    with SummaryWriter(tmp_path / "logs") as writer:
+        trainer = Trainer(Linear(), optax.sgd(0.01), mse, summaries=writer)
+        history = trainer.fit(data, 7, progress=False)
+    frame = SummaryReader(tmp_path / "logs").scalars("train/loss")
+    assert list(frame["step"]) == list(range(1, 8))
+    np.testing.assert_allclose(frame["value"], [r["loss"] for r in history], rtol=1e-6)
