@@ -162,8 +162,11 @@ def _start_local_cluster(*, environment: dict[str, str], timeout: float, **clust
             else:
                 os.environ[name] = value
     try:
+        # Workers of an embedded cluster are reachable from here: actor calls (bank shards) go
+        # straight to them instead of through the scheduler, one network hop less per call.
         return EmbeddedClient(
-            cluster, security=cluster_kwargs["security"], timeout=timeout, set_as_default=True
+            cluster, security=cluster_kwargs["security"], timeout=timeout, set_as_default=True,
+            direct_to_workers=True,
         )
     except BaseException:
         cluster.close()

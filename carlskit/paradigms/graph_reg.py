@@ -23,7 +23,7 @@ import functools
 import json
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import jax
@@ -86,6 +86,10 @@ class GraphRegConfig:
     warmup_steps: int = 50
     checkpoint_every: int = 10
     learned_graph: bool = False  # True: neighbour maker builds the graph (no edges needed)
+
+
+# Chosen on digits' validation split (5% labels): a learned 5-nearest-neighbour graph, lighter dropout.
+DIGITS_CONFIG = GraphRegConfig(learned_graph=True, neighbors=5, dropout=0.2)
 
 
 def loss_fn(model: MLP, batch: dict, *, distance: str) -> tuple[jax.Array, dict]:
@@ -221,8 +225,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     data = load_data(args.data, args.label_fraction, args.seed)
-    config = GraphRegConfig(learned_graph=data.edges is None, **({"neighbors": args.neighbors} if args.neighbors else {}),
-                            **({"steps": args.steps} if args.steps else {}))
+    config = DIGITS_CONFIG if data.edges is None else GraphRegConfig()
+    config = replace(config, **({"neighbors": args.neighbors} if args.neighbors else {}),
+                     **({"steps": args.steps} if args.steps else {}))
     client = None
     if args.workers > 0:
         from carlskit.cluster import connect
