@@ -228,6 +228,21 @@ class Maker:
                 self._launch(index)
             time.sleep(0.2)
 
+    def wait_for_version(self, version: int, timeout: float = 120.0) -> None:
+        """Block until every slice has written knowledge for ``version`` or newer.
+
+        Raises ``TimeoutError`` (with the maker's errors, if any) when that takes over ``timeout`` s.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            versions = [s["version"] for s in self.status()["slices"]]
+            if all(v is not None and v >= version for v in versions):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"maker {self.name!r} slices reached versions {versions}, not {version}, "
+                                   f"within {timeout:g} s; errors: {[e for _, e in self.errors][:1]}")
+            time.sleep(0.05)
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stop every slice and wait for them to end."""
         if self._stop is None:

@@ -173,6 +173,8 @@ def train(data: Dataset, config: GraphRegConfig, *, regularize: bool, seed: int 
     for maker in makers:
         maker.start(store, bank, client)
     try:
+        for maker in makers:  # the bank holds version-0 knowledge before the first step reads it
+            maker.wait_for_version(0)
         trainer.fit(batches(data, features, config, seed, config.multiplier), config.steps,
                     progress=progress, live=False)
     finally:
