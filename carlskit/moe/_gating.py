@@ -134,13 +134,18 @@ def _slots_from_choices(
     groups, num_assignments = expert_index.shape
     num_slots = num_experts * capacity
     flat_slot = jnp.where(keep, expert_index * capacity + position, num_slots)  # dropped -> spare slot
-    token = jnp.tile(jnp.arange(num_tokens, dtype=jnp.int32), num_assignments // num_tokens)
-    token = jnp.broadcast_to(token, (groups, num_assignments))
     rows = jnp.arange(groups)[:, None]
-    slot_token = jnp.full((groups, num_slots + 1), num_tokens, jnp.int32).at[rows, flat_slot].set(token)
-    slot_weight = jnp.zeros((groups, num_slots + 1), weight.dtype).at[rows, flat_slot].set(weight)
+    assignment = jnp.broadcast_to(jnp.arange(num_assignments, dtype=jnp.int32), (groups, num_assignments))
+    # Integer scatter (no gradient) of which assignment holds each slot; weights are then gathered,
+    # whose gradient is a cheap scatter-add (a float scatter-set would need a costly JVP rule).
+    slot_assignment = jnp.full((groups, num_slots + 1), num_assignments, jnp.int32)
+    slot_assignment = slot_assignment.at[rows, flat_slot].set(assignment)[:, :num_slots]
+    empty = slot_assignment == num_assignments
+    slot_token = jnp.where(empty, num_tokens, slot_assignment % num_tokens)
+    padded_weight = jnp.concatenate([weight, jnp.zeros((groups, 1), weight.dtype)], axis=1)
+    slot_weight = jnp.take_along_axis(padded_weight, slot_assignment, axis=1)
     shape = (groups, num_experts, capacity)
-    return slot_token[:, :num_slots].reshape(shape), slot_weight[:, :num_slots].reshape(shape)
+    return slot_token.reshape(shape), slot_weight.reshape(shape)
 
 
 def _choice_routing(
@@ -150,6 +155,7 @@ def _choice_routing(
     num_choices: int,
     second_expert_policy: str,
     rng: jax.Array | None,
+    uniform: jax.Array | None = None,
 ) -> Routing:
     """Token-choice routing with 1 (Switch) or 2 (GShard) experts per token."""
     _check_logits(logits, capacity)
@@ -192,9 +198,12 @@ def _choice_routing(
         elif second_expert_policy == "none":
             attempt_2 = jnp.zeros_like(keep_1)
         else:
-            if rng is None:
-                raise ValueError('second_expert_policy="random" needs rng (a jax.random key)')
-            uniform = jax.random.uniform(rng, gate_2.shape, jnp.float32)
+            if uniform is None:
+                if rng is None:
+                    raise ValueError('second_expert_policy="random" needs rng (a jax.random key)')
+                uniform = jax.random.uniform(rng, gate_2.shape, jnp.float32)
+            elif uniform.shape != gate_2.shape:
+                raise ValueError(f"second_choice_uniform must have shape {gate_2.shape}, got {uniform.shape}")
             attempt_2 = 2.0 * jax.lax.stop_gradient(gate_2) > uniform
         # Pass 2: second choices go after *all* first choices of their expert, in token order.
         # A second choice rejected by the policy takes no slot (as in mesh-tensorflow's moe.py).
@@ -222,6 +231,7 @@ def top2_gating(
     *,
     second_expert_policy: str = "random",
     rng: jax.Array | None = None,
+    second_choice_uniform: jax.Array | None = None,
 ) -> Routing:
     """GShard group-level top-2 gating (Lepikhin et al. 2020, Algorithm 1).
 
@@ -235,14 +245,17 @@ def top2_gating(
       logits: [G, S, E] router logits.
       capacity: C, slots per expert and group (see :func:`expert_capacity`).
       second_expert_policy: "random", "all" or "none".
-      rng: jax.random key, required for "random".
+      rng: jax.random key, required for "random" unless ``second_choice_uniform`` is given.
+      second_choice_uniform: optional precomputed u [G, S] (lets sharded callers draw it once
+        for the global batch, so results do not depend on the mesh).
 
     Returns:
       :class:`Routing`; unpacks as ``(combine_weights [G,S,E,C], dispatch_mask [G,S,E,C],
       aux_loss, metrics)``.
     """
     return _choice_routing(
-        logits, capacity, num_choices=2, second_expert_policy=second_expert_policy, rng=rng
+        logits, capacity, num_choices=2, second_expert_policy=second_expert_policy, rng=rng,
+        uniform=second_choice_uniform,
     )
 
 
@@ -284,10 +297,14 @@ def route(
     router: str = "top2",
     second_expert_policy: str = "random",
     rng: jax.Array | None = None,
+    second_choice_uniform: jax.Array | None = None,
 ) -> Routing:
     """Dispatch to :func:`top2_gating`, :func:`top1_gating` or :func:`expert_choice_gating`."""
     if router == "top2":
-        return top2_gating(logits, capacity, second_expert_policy=second_expert_policy, rng=rng)
+        return top2_gating(
+            logits, capacity, second_expert_policy=second_expert_policy, rng=rng,
+            second_choice_uniform=second_choice_uniform,
+        )
     if router == "top1":
         return top1_gating(logits, capacity)
     if router == "expert_choice":

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from ._dispatch import DISPATCH_MODES, combine, dispatch
 from ._gating import ROUTERS, SECOND_EXPERT_POLICIES, Routing, expert_capacity, experts_per_token, route
@@ -18,8 +21,15 @@ BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)
 
 
 def _scaled_normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> nnx.Param:
-    """Parameter ~ N(0, 1 / fan_in) (LeCun normal)."""
-    return nnx.Param(jax.random.normal(rngs.params(), shape, jnp.float32) / math.sqrt(fan_in))
+    """Parameter ~ N(0, 1 / fan_in) (LeCun normal).
+
+    Drawn with NumPy from a seed taken off ``rngs.params()``: deterministic for a given seed
+    (hence identical with or without a mesh) and free of per-shape XLA compilations, which
+    dominate model construction time on CPU.
+    """
+    seed = np.asarray(jax.random.key_data(rngs.params())).ravel()
+    values = np.random.default_rng(seed.astype(np.uint64)).standard_normal(shape, dtype=np.float32)
+    return nnx.Param(jnp.asarray(values / np.float32(math.sqrt(fan_in))))
 
 
 class FeedForward(nnx.Module):
@@ -95,20 +105,50 @@ class MoEFeedForward(nnx.Module):
         if (batch * length) % group_size:
             raise ValueError(f"batch * length = {batch * length} must be divisible by group_size={group_size}")
         tokens = split(x.reshape(-1, group_size, d_model), 0, BATCH_AXES, mesh=self.mesh)  # [G, S, M]
-        logits = jnp.einsum("gsm,me->gse", tokens, self.router_weights[...])
-        if rng is None and self.router == "top2" and self.second_expert_policy == "random":
-            rng = jax.random.key(0)
-        routing = route(
-            logits, self.capacity(group_size), router=self.router,
-            second_expert_policy=self.second_expert_policy, rng=rng,
-        )
-        expert_in = dispatch(routing, tokens, self.dispatch)  # [E, G, C, M]: the all-to-all
-        expert_in = split(expert_in, (0, 1), (EXPERT_AXIS, DATA_AXIS), mesh=self.mesh)
-        hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, self.expert_wi[...]))
-        expert_out = jnp.einsum("egch,ehm->egcm", hidden, self.expert_wo[...])
-        expert_out = split(expert_out, (0, 1), (EXPERT_AXIS, DATA_AXIS), mesh=self.mesh)
-        y = split(combine(routing, expert_out, self.dispatch), 0, BATCH_AXES, mesh=self.mesh)
+        uniform = None
+        if self.router == "top2" and self.second_expert_policy == "random":
+            rng = jax.random.key(0) if rng is None else rng
+            uniform = split(jax.random.uniform(rng, tokens.shape[:2]), 0, BATCH_AXES, mesh=self.mesh)
+        capacity = self.capacity(group_size)
+        weights = (self.router_weights[...], self.expert_wi[...], self.expert_wo[...])
+        if self.mesh is None or self.mesh.size == 1:
+            y, routing = self._local(tokens, *weights, uniform, capacity=capacity, sharded=False)
+        else:
+            batch_spec, expert_spec = PartitionSpec(BATCH_AXES), PartitionSpec(EXPERT_AXIS)
+            y, routing = jax.shard_map(
+                functools.partial(self._local, capacity=capacity, sharded=True),
+                mesh=self.mesh,
+                in_specs=(batch_spec, PartitionSpec(), expert_spec, expert_spec,
+                          None if uniform is None else batch_spec),
+                out_specs=(batch_spec, Routing(batch_spec, batch_spec, PartitionSpec(), PartitionSpec(), group_size)),
+            )(tokens, *weights, uniform)
         return y.reshape(batch, length, d_model), routing
+
+    def _local(self, tokens, router_weights, expert_wi, expert_wo, uniform, *, capacity: int, sharded: bool):
+        """Route, dispatch, run the experts and combine, for the groups and experts held locally.
+
+        Sharded (inside ``shard_map``): tokens [G/n, S, M] of this device, expert weights of its
+        E/n_expert experts; buffers [E, G/n, C, M] travel by all-to-all over the "expert" axis.
+        """
+        logits = jnp.einsum("gsm,me->gse", tokens, router_weights)
+        routing = route(
+            logits, capacity, router=self.router, second_expert_policy=self.second_expert_policy,
+            second_choice_uniform=uniform,
+        )
+        expert_in = dispatch(routing, tokens, self.dispatch)  # [E, G, C, M]
+        if sharded:  # -> [E / n_expert, G * n_expert, C, M]
+            expert_in = jax.lax.all_to_all(expert_in, EXPERT_AXIS, 0, 1, tiled=True)
+        hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, expert_wi))
+        expert_out = jnp.einsum("egch,ehm->egcm", hidden, expert_wo)
+        if sharded:
+            expert_out = jax.lax.all_to_all(expert_out, EXPERT_AXIS, 1, 0, tiled=True)
+        y = combine(routing, expert_out, self.dispatch)
+        if sharded:  # every device holds the same number of groups: global mean = mean of means
+            mean = functools.partial(jax.lax.pmean, axis_name=BATCH_AXES)
+            routing = dataclasses.replace(
+                routing, aux_loss=mean(routing.aux_loss), metrics=jax.tree.map(mean, routing.metrics)
+            )
+        return y, routing
 
 
 class CausalSelfAttention(nnx.Module):

@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from ._gating import experts_per_token
-from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock
+from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _scaled_normal
 from ._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
 
 EXPERT_PARAMS = ("expert_wi", "expert_wo")
@@ -75,8 +75,8 @@ class MoEModel(nnx.Module):
         self.aux_loss_weight = float(aux_loss_weight)
         self.z_loss_weight = float(z_loss_weight)
         self.mesh = mesh
-        self.embed = nnx.Embed(vocab_size, d_model, rngs=rngs)
-        self.position_embed = nnx.Param(0.02 * jax.random.normal(rngs.params(), (max_length, d_model)))
+        self.embedding = _scaled_normal(rngs, (vocab_size, d_model), d_model)  # tied with the output
+        self.position_embedding = _scaled_normal(rngs, (max_length, d_model), 2500.0)  # std 0.02
         blocks = []
         for i in range(num_layers):
             if i % 2 == 1 or num_layers == 1:
@@ -126,7 +126,8 @@ class MoEModel(nnx.Module):
     def __call__(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, list]:
         """Logits [B, L, vocab] and the routings of the MoE layers."""
         length = tokens.shape[1]
-        x = self.embed(tokens) + self.position_embed[...][:length]
+        embedding = self.embedding[...]
+        x = jnp.take(embedding, tokens, axis=0) * np.sqrt(embedding.shape[1]) + self.position_embedding[...][:length]
         x = split(x, 0, BATCH_AXES, mesh=self.mesh)
         routings = []
         for i, block in enumerate(self.blocks):
@@ -134,7 +135,7 @@ class MoEModel(nnx.Module):
             x, routing = block(x, rng=layer_rng)
             if routing is not None:
                 routings.append(routing)
-        logits = self.embed.attend(self.final_norm(x))
+        logits = self.final_norm(x) @ embedding.T
         return split(logits, 0, BATCH_AXES, mesh=self.mesh), routings
 
     def loss_and_metrics(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
