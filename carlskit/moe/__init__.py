@@ -4,6 +4,7 @@ Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation
 Sharding".
 """
 
+from ._data import toy_multilingual_corpus
 from ._dispatch import combine, combine_einsum, combine_scatter, dispatch, dispatch_einsum, dispatch_gather
 from ._gating import (
     Routing,
@@ -44,4 +45,5 @@ __all__ = [
     "split",
     "top1_gating",
     "top2_gating",
+    "toy_multilingual_corpus",
 ]

@@ -17,16 +17,19 @@ from ._gating import Routing
 DISPATCH_MODES = ("scatter", "einsum")
 
 
+@jax.jit
 def dispatch_einsum(routing: Routing, x: jax.Array) -> jax.Array:
     """[G, S, M] -> [E, G, C, M] by ``einsum('GSEC,GSM->EGCM')``."""
     return jnp.einsum("gsec,gsm->egcm", routing.dispatch_mask.astype(x.dtype), x)
 
 
+@jax.jit
 def combine_einsum(routing: Routing, expert_out: jax.Array) -> jax.Array:
     """[E, G, C, M] -> [G, S, M] by ``einsum('GSEC,EGCM->GSM')``."""
     return jnp.einsum("gsec,egcm->gsm", routing.combine_weights.astype(expert_out.dtype), expert_out)
 
 
+@jax.jit
 def dispatch_gather(routing: Routing, x: jax.Array) -> jax.Array:
     """[G, S, M] -> [E, G, C, M] by gathering each slot's token (empty slots read zeros)."""
     groups, _, dim = x.shape
@@ -37,6 +40,7 @@ def dispatch_gather(routing: Routing, x: jax.Array) -> jax.Array:
     return jnp.swapaxes(gathered, 0, 1)
 
 
+@jax.jit
 def combine_scatter(routing: Routing, expert_out: jax.Array) -> jax.Array:
     """[E, G, C, M] -> [G, S, M] by scatter-adding weighted slot outputs to their tokens."""
     num_experts, groups, capacity, dim = expert_out.shape

@@ -10,6 +10,7 @@ path never builds them (its cost does not grow with the number of experts at fix
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Iterator
 
@@ -225,6 +226,7 @@ def _choice_routing(
     return Routing(slot_token, slot_weight, aux_loss, metrics, num_tokens)
 
 
+@functools.partial(jax.jit, static_argnames=("capacity", "second_expert_policy"))
 def top2_gating(
     logits: jax.Array,
     capacity: int,
@@ -259,12 +261,14 @@ def top2_gating(
     )
 
 
+@functools.partial(jax.jit, static_argnames=("capacity",))
 def top1_gating(logits: jax.Array, capacity: int) -> Routing:
     """Switch Transformer top-1 routing (Fedus et al. 2021, 2.1): weight = gate of the argmax
     expert (not renormalised), tokens over capacity dropped, same aux loss as :func:`top2_gating`."""
     return _choice_routing(logits, capacity, num_choices=1, second_expert_policy="none", rng=None)
 
 
+@functools.partial(jax.jit, static_argnames=("capacity",))
 def expert_choice_gating(logits: jax.Array, capacity: int) -> Routing:
     """Expert-choice routing (Zhou et al. 2022, 3.1): each expert takes the C tokens with the
     highest gate ``softmax(logits)[s, e]``; weight = that gate. Balanced by construction
