@@ -33,14 +33,15 @@ from carlskit.moe import FeedForward, MoEFeedForward, MoEModel, toy_multilingual
 
 
 def seconds_per_call(fn, *args, repeats: int) -> float:
-    """Median wall time of ``fn(*args)`` after one warm-up (compilation) call."""
+    """Fastest wall time of ``fn(*args)`` over repeats after a warm-up (compilation) call
+    (the minimum is the least disturbed by other processes on a shared machine)."""
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return min(times)
 
 
 def forward_backward(layer: nnx.Module):

@@ -14,9 +14,9 @@ def toy_multilingual_corpus(
     branching: int = 2,
     seed: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Token sequences from ``num_languages`` random second-order Markov "languages".
+    """Token sequences from ``num_languages`` random Markov "languages".
 
-    Each language has its own table: the token after ``(a, b)`` is drawn from ``branching``
+    Each language has its own table: the token after ``a`` is drawn from ``branching``
     successors fixed per language, with Dirichlet(1) weights. All languages share the vocabulary,
     so a model must infer the language from context and store one table per language: a
     memorisation-heavy mix where extra (expert) parameters help, like GShard's multilingual data.
@@ -31,16 +31,16 @@ def toy_multilingual_corpus(
             f"{num_sequences}, {length}, {num_languages}, {branching}, {vocab_size}"
         )
     tables = np.random.default_rng(seed)
-    successors = tables.integers(0, vocab_size, (num_languages, vocab_size, vocab_size, branching))
-    weights = tables.dirichlet(np.ones(branching), (num_languages, vocab_size, vocab_size))
+    successors = tables.integers(0, vocab_size, (num_languages, vocab_size, branching))
+    weights = tables.dirichlet(np.ones(branching), (num_languages, vocab_size))
     cumulative = np.cumsum(weights, axis=-1)
     sampler = np.random.default_rng([seed, num_sequences, length])
     language = sampler.integers(0, num_languages, num_sequences)
     tokens = np.empty((num_sequences, length + 1), np.int64)
-    tokens[:, :2] = sampler.integers(0, vocab_size, (num_sequences, 2))
-    for t in range(2, length + 1):
-        previous, current = tokens[:, t - 2], tokens[:, t - 1]
-        choice = (sampler.random(num_sequences)[:, None] > cumulative[language, previous, current]).sum(-1)
+    tokens[:, 0] = sampler.integers(0, vocab_size, num_sequences)
+    for t in range(1, length + 1):
+        current = tokens[:, t - 1]
+        choice = (sampler.random(num_sequences)[:, None] > cumulative[language, current]).sum(-1)
         choice = np.minimum(choice, branching - 1)
-        tokens[:, t] = successors[language, previous, current, choice]
+        tokens[:, t] = successors[language, current, choice]
     return tokens.astype(np.int32), language.astype(np.int32)

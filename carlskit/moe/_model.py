@@ -204,7 +204,7 @@ class MoEModel(nnx.Module):
             history["step"].append(step)
             history["seconds"].append(time.perf_counter() - started)
             for key, value in record.items():
-                history.setdefault(key, []).append(float(value) if value.ndim == 0 else value)
+                history.setdefault(key, []).append(float(value) if np.ndim(value) == 0 else value)
             if callback is not None:
                 callback(step, record)
         nnx.update(self, state)
