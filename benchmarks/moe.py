@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -32,16 +31,19 @@ from flax import nnx  # noqa: E402
 from carlskit.moe import FeedForward, MoEFeedForward, MoEModel, toy_multilingual_corpus  # noqa: E402
 
 
-def seconds_per_call(fn, *args, repeats: int) -> float:
-    """Fastest wall time of ``fn(*args)`` over repeats after a warm-up (compilation) call
-    (the minimum is the least disturbed by other processes on a shared machine)."""
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return min(times)
+def fastest_times(calls: dict, rounds: int) -> dict:
+    """Fastest wall time of each zero-argument call, measured round-robin after one warm-up
+    (compilation) call each: every call sees the same background load, and the minimum is the
+    measurement least disturbed by other processes on a shared machine."""
+    for call in calls.values():
+        jax.block_until_ready(call())
+    best = {name: float("inf") for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
 
 
 def forward_backward(layer: nnx.Module):
@@ -58,12 +60,13 @@ def forward_backward(layer: nnx.Module):
     return lambda x: step(params, x)
 
 
-def layer_time(x, d_model, hidden, num_experts, capacity_factor, dispatch, repeats):
+def moe_step(x, d_model, hidden, num_experts, capacity_factor, dispatch):
     layer = MoEFeedForward(
         d_model, hidden, num_experts, capacity_factor=capacity_factor, second_expert_policy="all",
         dispatch=dispatch, rngs=nnx.Rngs(0),
     )
-    return seconds_per_call(forward_backward(layer), x, repeats=repeats)
+    step = forward_backward(layer)
+    return lambda: step(x)
 
 
 def main() -> None:
@@ -72,33 +75,36 @@ def main() -> None:
     args = parser.parse_args()
     small = args.small
     groups, group_size, d_model, hidden = (4, 128, 32, 128) if small else (8, 256, 64, 256)
-    repeats = 5 if small else 10
+    rounds = 5 if small else 15
     x = jnp.asarray(np.random.default_rng(0).normal(size=(groups, group_size, d_model)).astype(np.float32))
     result: dict = {
         "device": jax.devices()[0].platform,
         "tokens": groups * group_size, "group_size": group_size, "d_model": d_model, "expert_hidden": hidden,
     }
 
-    # 1. Expert scaling at fixed tokens per group and capacity factor: E * C = 4 S stays constant.
-    scaling: dict = {}
+    # 1. Expert scaling at fixed tokens per group and capacity factor (E * C = 4 S constant), and
+    # 2. the MoE layer vs a dense FFN with the same per-token FLOPs (top-2: dense width 2 * hidden).
+    calls = {}
     for dispatch in ("scatter", "einsum"):
         for num_experts in (8, 16, 32, 64):
-            t = layer_time(x, d_model, hidden, num_experts, 2.0, dispatch, repeats)
-            scaling.setdefault(dispatch, {})[num_experts] = t
-            print(f"[scaling] dispatch={dispatch} E={num_experts} {1e3 * t:.2f} ms", flush=True)
-    result["step_ms_by_experts"] = {d: {e: round(1e3 * t, 3) for e, t in v.items()} for d, v in scaling.items()}
-    result["t64_over_t8"] = round(scaling["scatter"][64] / scaling["scatter"][8], 3)
-    result["t64_over_t8_einsum"] = round(scaling["einsum"][64] / scaling["einsum"][8], 3)
-    result["einsum_over_scatter_E8"] = round(scaling["einsum"][8] / scaling["scatter"][8], 3)
-
-    # 2. MoE layer vs dense FFN with the same per-token FLOPs (top-2: dense width 2 * hidden).
-    dense = FeedForward(d_model, 2 * hidden, rngs=nnx.Rngs(0))
-    dense_time = seconds_per_call(forward_backward(dense), x, repeats=repeats)
-    print(f"[dense] width={2 * hidden} {1e3 * dense_time:.2f} ms", flush=True)
+            calls[(dispatch, num_experts)] = moe_step(x, d_model, hidden, num_experts, 2.0, dispatch)
     for capacity_factor in (1.0, 1.25, 2.0):
-        t = layer_time(x, d_model, hidden, 8, capacity_factor, "scatter", repeats)
-        result[f"moe_vs_dense_speed_cf{capacity_factor}"] = round(dense_time / t, 3)
-        print(f"[moe vs dense] cf={capacity_factor} moe {1e3 * t:.2f} ms", flush=True)
+        calls[("capacity", capacity_factor)] = moe_step(x, d_model, hidden, 8, capacity_factor, "scatter")
+    dense_step = forward_backward(FeedForward(d_model, 2 * hidden, rngs=nnx.Rngs(0)))
+    calls[("dense", 2 * hidden)] = lambda: dense_step(x)
+    times = fastest_times(calls, rounds)
+    for (kind, value), t in times.items():
+        print(f"[layer] {kind} {value}: {1e3 * t:.2f} ms", flush=True)
+    result["step_ms_by_experts"] = {
+        d: {e: round(1e3 * times[(d, e)], 3) for e in (8, 16, 32, 64)} for d in ("scatter", "einsum")
+    }
+    result["t64_over_t8"] = round(times[("scatter", 64)] / times[("scatter", 8)], 3)
+    result["t64_over_t8_einsum"] = round(times[("einsum", 64)] / times[("einsum", 8)], 3)
+    result["einsum_over_scatter_E8"] = round(times[("einsum", 8)] / times[("scatter", 8)], 3)
+    result["dense_ms"] = round(1e3 * times[("dense", 2 * hidden)], 3)
+    for capacity_factor in (1.0, 1.25, 2.0):
+        ratio = times[("dense", 2 * hidden)] / times[("capacity", capacity_factor)]
+        result[f"moe_vs_dense_speed_cf{capacity_factor}"] = round(ratio, 3)
     result["moe_vs_dense_speed"] = result["moe_vs_dense_speed_cf1.0"]
 
     # 3. Capacity factor x aux loss: drops and train-step time of a small MoEModel.

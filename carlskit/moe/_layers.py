@@ -104,6 +104,9 @@ class MoEFeedForward(nnx.Module):
         group_size = self.group_size or length
         if (batch * length) % group_size:
             raise ValueError(f"batch * length = {batch * length} must be divisible by group_size={group_size}")
+        num_groups = batch * length // group_size
+        if self.mesh is not None and num_groups % self.mesh.size:
+            raise ValueError(f"number of groups {num_groups} must be divisible by the mesh size {self.mesh.size}")
         tokens = split(x.reshape(-1, group_size, d_model), 0, BATCH_AXES, mesh=self.mesh)  # [G, S, M]
         uniform = None
         if self.router == "top2" and self.second_expert_policy == "random":
