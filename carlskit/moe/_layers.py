@@ -141,8 +141,7 @@ class MoEFeedForward(nnx.Module):
         expert_in = dispatch(routing, tokens, self.dispatch)  # [E, G, C, M]
         if sharded:  # -> [E / n_expert, G * n_expert, C, M]
             expert_in = jax.lax.all_to_all(expert_in, EXPERT_AXIS, 0, 1, tiled=True)
-        hidden = jax.nn.relu(jnp.einsum("egcm,emh->egch", expert_in, expert_wi))
-        expert_out = jnp.einsum("egch,ehm->egcm", hidden, expert_wo)
+        expert_out = _expert_ffn(expert_in, expert_wi, expert_wo)
         if sharded:
             expert_out = jax.lax.all_to_all(expert_out, EXPERT_AXIS, 1, 0, tiled=True)
         y = combine(routing, expert_out, self.dispatch)
@@ -152,6 +151,18 @@ class MoEFeedForward(nnx.Module):
                 routing, aux_loss=mean(routing.aux_loss), metrics=jax.tree.map(mean, routing.metrics)
             )
         return y, routing
+
+
+def _expert_ffn(expert_in: jax.Array, expert_wi: jax.Array, expert_wo: jax.Array) -> jax.Array:
+    """Each expert's FFN on its buffer: [E, G, C, M] -> [E, G, C, M].
+
+    Buffers are flattened to [E, G*C, M] first: one canonical batched matmul per layer, whose
+    weight gradient XLA's CPU backend computes 2-3x faster than the 4-d einsum's.
+    """
+    num_experts, groups, capacity, d_model = expert_in.shape
+    tokens = expert_in.reshape(num_experts, groups * capacity, d_model)
+    hidden = jax.nn.relu(jnp.einsum("etm,emh->eth", tokens, expert_wi))
+    return jnp.einsum("eth,ehm->etm", hidden, expert_wo).reshape(num_experts, groups, capacity, d_model)
 
 
 class CausalSelfAttention(nnx.Module):
