@@ -1,0 +1,139 @@
+"""GShard MoE benchmark: expert scaling, MoE vs dense FFN, capacity factor sweep.
+
+Run from the repo root: ``python benchmarks/moe.py [--small]`` (or CARLSKIT_SMALL=1).
+Prints progress, then ONE JSON object as the last line of stdout.
+
+- ``t64_over_t8``: MoE layer forward+backward time with E=64 over E=8 experts, at fixed tokens
+  per group S, groups G and capacity factor (so E * C is constant), default (scatter) dispatch.
+  Target <= 1.5 (GShard: 1.7x for 16x experts and devices).
+- ``moe_vs_dense_speed``: dense FFN time / MoE layer time, the dense FFN having the MoE's
+  per-token FLOPs (width 2 * H for top-2), capacity factor 1.0 (MoE buffers then hold exactly the
+  2 assignments per token the dense FFN pays for). Target >= 0.5.
+- ``capacity_factors``: dropped-token fractions and train-step time of a small MoEModel trained on
+  the toy multilingual corpus, for capacity factors 1.0, 1.25, 2.0, with and without aux loss.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+from carlskit.moe import FeedForward, MoEFeedForward, MoEModel, toy_multilingual_corpus  # noqa: E402
+
+
+def fastest_times(calls: dict, rounds: int) -> dict:
+    """Fastest wall time of each zero-argument call, measured round-robin after one warm-up
+    (compilation) call each: every call sees the same background load, and the minimum is the
+    measurement least disturbed by other processes on a shared machine."""
+    for call in calls.values():
+        jax.block_until_ready(call())
+    best = {name: float("inf") for name in calls}
+    for _ in range(rounds):
+        for name, call in calls.items():
+            start = time.perf_counter()
+            jax.block_until_ready(call())
+            best[name] = min(best[name], time.perf_counter() - start)
+    return best
+
+
+def forward_backward(layer: nnx.Module):
+    """jit(grad) of sum(layer(x)**2) w.r.t. parameters and x: one training step's compute."""
+    graphdef, params = nnx.split(layer)
+
+    def loss(params, x):
+        out = nnx.merge(graphdef, params)(x)
+        y = out[0] if isinstance(out, tuple) else out
+        aux = out[1].aux_loss if isinstance(out, tuple) else 0.0
+        return jnp.mean(jnp.square(y)) + 1e-2 * aux
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    return lambda x: step(params, x)
+
+
+def moe_step(x, d_model, hidden, num_experts, capacity_factor, dispatch):
+    layer = MoEFeedForward(
+        d_model, hidden, num_experts, capacity_factor=capacity_factor, second_expert_policy="all",
+        dispatch=dispatch, rngs=nnx.Rngs(0),
+    )
+    step = forward_backward(layer)
+    return lambda: step(x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
+    args = parser.parse_args()
+    small = args.small
+    groups, group_size, d_model, hidden = (4, 128, 32, 128) if small else (8, 256, 64, 256)
+    rounds = 5 if small else 15
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(groups, group_size, d_model)).astype(np.float32))
+    result: dict = {
+        "device": jax.devices()[0].platform,
+        "tokens": groups * group_size, "group_size": group_size, "d_model": d_model, "expert_hidden": hidden,
+    }
+
+    # 1. Expert scaling at fixed tokens per group and capacity factor (E * C = 4 S constant), and
+    # 2. the MoE layer vs a dense FFN with the same per-token FLOPs (top-2: dense width 2 * hidden).
+    calls = {}
+    for dispatch in ("scatter", "einsum"):
+        for num_experts in (8, 16, 32, 64):
+            calls[(dispatch, num_experts)] = moe_step(x, d_model, hidden, num_experts, 2.0, dispatch)
+    for capacity_factor in (1.0, 1.25, 2.0):
+        calls[("capacity", capacity_factor)] = moe_step(x, d_model, hidden, 8, capacity_factor, "scatter")
+    dense_step = forward_backward(FeedForward(d_model, 2 * hidden, rngs=nnx.Rngs(0)))
+    calls[("dense", 2 * hidden)] = lambda: dense_step(x)
+    times = fastest_times(calls, rounds)
+    for (kind, value), t in times.items():
+        print(f"[layer] {kind} {value}: {1e3 * t:.2f} ms", flush=True)
+    result["step_ms_by_experts"] = {
+        d: {e: round(1e3 * times[(d, e)], 3) for e in (8, 16, 32, 64)} for d in ("scatter", "einsum")
+    }
+    result["t64_over_t8"] = round(times[("scatter", 64)] / times[("scatter", 8)], 3)
+    result["t64_over_t8_einsum"] = round(times[("einsum", 64)] / times[("einsum", 8)], 3)
+    result["einsum_over_scatter_E8"] = round(times[("einsum", 8)] / times[("scatter", 8)], 3)
+    result["dense_ms"] = round(1e3 * times[("dense", 2 * hidden)], 3)
+    for capacity_factor in (1.0, 1.25, 2.0):
+        ratio = times[("dense", 2 * hidden)] / times[("capacity", capacity_factor)]
+        result[f"moe_vs_dense_speed_cf{capacity_factor}"] = round(ratio, 3)
+    result["moe_vs_dense_speed"] = result["moe_vs_dense_speed_cf1.0"]
+
+    # 3. Capacity factor x aux loss: drops and train-step time of a small MoEModel.
+    length, steps = (32, 60) if small else (64, 200)
+    corpus, _ = toy_multilingual_corpus(512 if small else 2048, length, vocab_size=64, num_languages=8)
+    sweep = {}
+    for capacity_factor in (1.0, 1.25, 2.0):
+        for aux_loss_weight in (0.0, 1e-2):
+            model = MoEModel(
+                64, 2, 32, 2, 8, capacity_factor=capacity_factor, aux_loss_weight=aux_loss_weight,
+                max_length=length, seed=0,
+            )
+            history = model.fit(corpus, steps=steps, batch_size=16, learning_rate=3e-3, seed=0)
+            tail = slice(-max(1, steps // 5), None)
+            step_seconds = np.diff(history["seconds"])[tail]
+            entry = {
+                "dropped_tokens": round(float(np.mean(history["dropped_tokens"][tail])), 4),
+                "dropped_first": round(float(np.mean(history["dropped_first"][tail])), 4),
+                "dropped_second": round(float(np.mean(history["dropped_second"][tail])), 4),
+                "max_expert_load": round(float(np.max(np.mean(history["expert_load"][tail], axis=0))), 4),
+                "cross_entropy": round(float(np.mean(history["cross_entropy"][tail])), 4),
+                "step_ms": round(1e3 * float(np.median(step_seconds)), 3),
+            }
+            sweep[f"cf{capacity_factor}_aux{aux_loss_weight}"] = entry
+            print(f"[capacity] cf={capacity_factor} aux={aux_loss_weight} {entry}", flush=True)
+    result["capacity_factors"] = sweep
+    result["small"] = small
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

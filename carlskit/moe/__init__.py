@@ -1,0 +1,49 @@
+"""GShard Mixture-of-Experts: gating functions, MoE layers, ``MoEModel`` and sharding annotations.
+
+Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
+Sharding".
+"""
+
+from ._data import toy_multilingual_corpus
+from ._dispatch import combine, combine_einsum, combine_scatter, dispatch, dispatch_einsum, dispatch_gather
+from ._gating import (
+    Routing,
+    expert_capacity,
+    expert_choice_gating,
+    load_balancing_loss,
+    route,
+    router_z_loss,
+    top1_gating,
+    top2_gating,
+)
+from ._layers import CausalSelfAttention, FeedForward, MoEFeedForward, TransformerBlock
+from ._model import MoEModel
+from ._sharding import auto_axes, make_mesh, replicate, shard, split
+
+__all__ = [
+    "CausalSelfAttention",
+    "FeedForward",
+    "MoEFeedForward",
+    "MoEModel",
+    "Routing",
+    "TransformerBlock",
+    "auto_axes",
+    "combine",
+    "combine_einsum",
+    "combine_scatter",
+    "dispatch",
+    "dispatch_einsum",
+    "dispatch_gather",
+    "expert_capacity",
+    "expert_choice_gating",
+    "load_balancing_loss",
+    "make_mesh",
+    "replicate",
+    "route",
+    "router_z_loss",
+    "shard",
+    "split",
+    "top1_gating",
+    "top2_gating",
+    "toy_multilingual_corpus",
+]

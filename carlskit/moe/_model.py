@@ -1,0 +1,291 @@
+"""``MoEModel``: GShard's MoE Transformer as a decoder-only language model (Flax NNX)."""
+
+from __future__ import annotations
+
+import functools
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from ._gating import experts_per_token
+from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _scaled_normal
+from ._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
+
+EXPERT_PARAMS = ("expert_wi", "expert_wo")
+
+
+class MoEModel(nnx.Module):
+    """Decoder-only MoE Transformer LM: every other FFN is an MoE layer (GShard 2.1, Fig. 3).
+
+    Layers ``i`` with ``i % 2 == 1`` (or the single layer of a 1-layer model) use
+    :class:`MoEFeedForward` with ``num_experts`` experts of width ``ffn_dim``; the others a dense
+    FFN of width ``ffn_dim``. ``num_experts=0`` builds the dense baseline with the same per-token
+    FLOPs: MoE slots become dense FFNs of width ``k * ffn_dim`` (k = 2 for top-2).
+
+    ``loss(tokens) = next-token cross-entropy + aux_loss_weight * mean aux loss
+    + z_loss_weight * mean router z-loss`` over MoE layers.
+
+    With ``mesh`` (a ``jax.sharding.Mesh`` with axes "data" and "expert"): parameters are placed
+    at construction (expert weights split over "expert", the rest replicated), the batch is split
+    over all devices and the expert dispatch is an all-to-all. The same ``seed`` gives the same
+    parameters with or without a mesh.
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_layers: int,
+        d_model: int,
+        num_heads: int,
+        num_experts: int,
+        *,
+        capacity_factor: float = 2.0,
+        aux_loss_weight: float = 1e-2,
+        z_loss_weight: float = 0.0,
+        second_expert_policy: str = "random",
+        router: str = "top2",
+        dispatch: str = "scatter",
+        ffn_dim: int | None = None,
+        group_size: int | None = None,
+        max_length: int = 256,
+        mesh: Mesh | None = None,
+        seed: int = 0,
+    ):
+        for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers), ("d_model", d_model),
+                            ("num_heads", num_heads), ("max_length", max_length)):
+            if not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0 = dense baseline), got {num_experts}")
+        if mesh is not None:
+            if not isinstance(mesh, Mesh) or not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
+                raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", got {mesh!r}')
+            mesh = auto_axes(mesh)
+        ffn_dim = ffn_dim or 4 * d_model
+        rngs = nnx.Rngs(params=seed)
+        self.vocab_size = int(vocab_size)
+        self.max_length = int(max_length)
+        self.num_experts = int(num_experts)
+        self.aux_loss_weight = float(aux_loss_weight)
+        self.z_loss_weight = float(z_loss_weight)
+        self.mesh = mesh
+        self.embedding = _scaled_normal(rngs, (vocab_size, d_model), d_model)  # tied with the output
+        self.position_embedding = _scaled_normal(rngs, (max_length, d_model), 2500.0)  # std 0.02
+        blocks = []
+        for i in range(num_layers):
+            if i % 2 == 1 or num_layers == 1:
+                if num_experts == 0:
+                    ffn = FeedForward(d_model, experts_per_token(router) * ffn_dim, rngs=rngs)
+                else:
+                    ffn = MoEFeedForward(
+                        d_model, ffn_dim, num_experts, capacity_factor=capacity_factor, router=router,
+                        second_expert_policy=second_expert_policy, dispatch=dispatch,
+                        group_size=group_size, mesh=mesh, rngs=rngs,
+                    )
+            else:
+                ffn = FeedForward(d_model, ffn_dim, rngs=rngs)
+            blocks.append(TransformerBlock(d_model, num_heads, ffn, rngs=rngs))
+        self.blocks = nnx.List(blocks)
+        self.final_norm = nnx.LayerNorm(d_model, rngs=rngs)
+        if mesh is not None:
+            self._place_parameters()
+
+    # ----------------------------------------------------------------------------- placement
+    def _place_parameters(self) -> None:
+        """Expert weights split over "expert" (dim 0), everything else replicated."""
+        state = nnx.state(self)
+
+        def place(path: tuple[Any, ...], value: jax.Array) -> jax.Array:
+            is_expert = any(str(getattr(p, "key", p)) in EXPERT_PARAMS for p in path)
+            spec = PartitionSpec(EXPERT_AXIS) if is_expert else PartitionSpec()
+            return jax.device_put(value, NamedSharding(self.mesh, spec))
+
+        nnx.update(self, jax.tree_util.tree_map_with_path(place, state))
+
+    def shard_batch(self, tokens: Any) -> jax.Array:
+        """Checked int32 tokens [B, L], split over all devices of the mesh (if any)."""
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an int array [batch, length], got {tokens.dtype} {tokens.shape}")
+        if tokens.shape[1] > self.max_length + 1:
+            raise ValueError(f"tokens length {tokens.shape[1]} exceeds max_length + 1 = {self.max_length + 1}")
+        tokens = tokens.astype(jnp.int32)
+        if self.mesh is not None:
+            if tokens.shape[0] % self.mesh.size:
+                raise ValueError(f"batch {tokens.shape[0]} must be divisible by the mesh size {self.mesh.size}")
+            tokens = jax.device_put(tokens, NamedSharding(self.mesh, PartitionSpec(BATCH_AXES)))
+        return tokens
+
+    # ----------------------------------------------------------------------------- forward
+    def __call__(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, list]:
+        """Logits [B, L, vocab] and the routings of the MoE layers."""
+        length = tokens.shape[1]
+        embedding = self.embedding[...]
+        x = jnp.take(embedding, tokens, axis=0) * np.sqrt(embedding.shape[1]) + self.position_embedding[...][:length]
+        x = split(x, 0, BATCH_AXES, mesh=self.mesh)
+        routings = []
+        for i, block in enumerate(self.blocks):
+            layer_rng = None if rng is None else jax.random.fold_in(rng, i)
+            x, routing = block(x, rng=layer_rng)
+            if routing is not None:
+                routings.append(routing)
+        logits = self.final_norm(x) @ embedding.T
+        return split(logits, 0, BATCH_AXES, mesh=self.mesh), routings
+
+    def loss_and_metrics(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
+        """Training loss and metrics (cross_entropy, aux_loss, router_z_loss, drop fractions,
+        expert_load [num_moe_layers, E]) for int tokens [B, L]."""
+        logits, routings = self(tokens[:, :-1], rng=rng)
+        cross_entropy = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
+        metrics: dict[str, jax.Array] = {"cross_entropy": cross_entropy}
+        loss = cross_entropy
+        if routings:
+            aux = jnp.mean(jnp.stack([r.aux_loss for r in routings]))
+            z_loss = jnp.mean(jnp.stack([r.metrics["router_z_loss"] for r in routings]))
+            loss = loss + self.aux_loss_weight * aux + self.z_loss_weight * z_loss
+            metrics.update(aux_loss=aux, router_z_loss=z_loss)
+            for key in ("dropped_first", "dropped_second", "dropped_tokens"):
+                metrics[key] = jnp.mean(jnp.stack([r.metrics[key] for r in routings]))
+            metrics["expert_load"] = jnp.stack([r.metrics["expert_load"] for r in routings])
+        metrics["loss"] = loss
+        return loss, metrics
+
+    def loss(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> jax.Array:
+        """Next-token cross-entropy plus the weighted aux (and z) losses, for int32 tokens [B, L]."""
+        return self.loss_and_metrics(tokens, rng=rng)[0]
+
+    # ----------------------------------------------------------------------------- training
+    def fit(
+        self,
+        tokens: Any,
+        *,
+        steps: int,
+        batch_size: int = 16,
+        learning_rate: float = 3e-3,
+        optimizer: optax.GradientTransformation | None = None,
+        seed: int = 0,
+        eval_tokens: Any | None = None,
+        eval_every: int = 0,
+        callback: Callable[[int, dict], None] | None = None,
+    ) -> dict[str, list]:
+        """Train on rows of ``tokens`` [N, L] (random batches of ``batch_size``) with optax
+        (default Adam with ``learning_rate``); parameters are updated in place.
+
+        Returns the history: per step ``loss``, ``cross_entropy``, ``aux_loss``, drop fractions,
+        ``expert_load``; ``eval_loss`` every ``eval_every`` steps (if ``eval_tokens``).
+        """
+        data = np.asarray(tokens)
+        if data.ndim != 2 or data.shape[0] < batch_size:
+            raise ValueError(f"tokens must be [N >= batch_size, L], got {data.shape}")
+        if steps < 0:
+            raise ValueError(f"steps must be >= 0, got {steps}")
+        tx = optimizer or optax.adam(learning_rate)
+        graphdef, state = nnx.split(self)
+        opt_state = tx.init(state)
+        sample_rng = np.random.default_rng(seed)
+        routing_key = jax.random.key(seed)
+        history: dict[str, list] = {"step": [], "seconds": []}
+        started = time.perf_counter()
+        for step in range(steps):
+            batch = self.shard_batch(data[sample_rng.integers(0, len(data), batch_size)])
+            state, opt_state, metrics = _train_step(
+                graphdef, tx, state, opt_state, batch, jax.random.fold_in(routing_key, step)
+            )
+            record = {k: np.asarray(v) for k, v in metrics.items()}
+            if eval_tokens is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                nnx.update(self, state)
+                record["eval_loss"] = self.evaluate(eval_tokens, batch_size=batch_size)["cross_entropy"]
+            history["step"].append(step)
+            history["seconds"].append(time.perf_counter() - started)
+            for key, value in record.items():
+                history.setdefault(key, []).append(float(value) if np.ndim(value) == 0 else value)
+            if callback is not None:
+                callback(step, record)
+        nnx.update(self, state)
+        return history
+
+    def evaluate(self, tokens: Any, *, batch_size: int | None = None) -> dict[str, float]:
+        """Mean metrics over rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
+        ``cross_entropy``, ``perplexity``, ``aux_loss``, drop fractions."""
+        data = np.asarray(tokens)
+        batch_size = batch_size or len(data)
+        graphdef, state = nnx.split(self)
+        totals: dict[str, float] = {}
+        count = 0
+        for start in range(0, len(data) - batch_size + 1, batch_size):
+            batch = self.shard_batch(data[start : start + batch_size])
+            _, metrics = _eval_step(graphdef, state, batch)
+            for key, value in metrics.items():
+                if np.ndim(value) == 0:
+                    totals[key] = totals.get(key, 0.0) + float(value)
+            count += 1
+        if count == 0:
+            raise ValueError(f"tokens must hold at least batch_size={batch_size} rows, got {len(data)}")
+        result = {key: value / count for key, value in totals.items()}
+        result["perplexity"] = float(np.exp(result["cross_entropy"]))
+        return result
+
+    def generate(
+        self,
+        prompt: Any,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        rng: jax.Array | None = None,
+    ) -> np.ndarray:
+        """Continue int prompts [B, P] by ``max_new_tokens`` tokens (greedy when temperature is 0,
+        else sampling from softmax(logits / temperature)). Returns [B, P + max_new_tokens].
+
+        Note: capacity-limited routing groups whole sequences, so padding after the current
+        position can take second-choice slots; generation is approximate for tight capacity.
+        """
+        prompt = np.asarray(prompt)
+        if prompt.ndim != 2 or prompt.shape[1] < 1:
+            raise ValueError(f"prompt must be int [batch, length >= 1], got {prompt.shape}")
+        total = prompt.shape[1] + max_new_tokens
+        if total > self.max_length:
+            raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_length={self.max_length}")
+        buffer = np.zeros((prompt.shape[0], total), np.int32)
+        buffer[:, : prompt.shape[1]] = prompt
+        graphdef, state = nnx.split(self)
+        rng = jax.random.key(0) if rng is None else rng
+        out = _generate(graphdef, state, jnp.asarray(buffer), prompt.shape[1], float(temperature), rng)
+        return np.asarray(out)
+
+
+def _loss_fn(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, rng: jax.Array | None = None):
+    return nnx.merge(graphdef, state).loss_and_metrics(tokens, rng=rng)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "tx"))
+def _train_step(graphdef, tx, state, opt_state, tokens, rng):
+    grads, metrics = jax.grad(_loss_fn, argnums=1, has_aux=True)(graphdef, state, tokens, rng)
+    updates, opt_state = tx.update(grads, opt_state, state)
+    return optax.apply_updates(state, updates), opt_state, metrics
+
+
+_eval_step = jax.jit(_loss_fn, static_argnames=("graphdef",))
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "start", "temperature"))
+def _generate(graphdef, state, buffer, start, temperature, rng):
+    model = nnx.merge(graphdef, state)
+
+    def step(position, carry):
+        buffer, rng = carry
+        rng, sample_key = jax.random.split(rng)
+        logits = jax.lax.dynamic_index_in_dim(model(buffer)[0], position - 1, axis=1, keepdims=False)
+        if temperature > 0:
+            token = jax.random.categorical(sample_key, logits / temperature, axis=-1)
+        else:
+            token = jnp.argmax(logits, axis=-1)
+        return buffer.at[:, position].set(token.astype(buffer.dtype)), rng
+
+    buffer, _ = jax.lax.fori_loop(start, buffer.shape[1], step, (buffer, rng))
+    return buffer
