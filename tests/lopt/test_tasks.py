@@ -1,0 +1,28 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from carlskit.lopt import DigitsConvTask, DigitsMLPFamily, DigitsMLPTask, QuadraticFamily, QuadraticTask
+
+
+@pytest.mark.parametrize("task", [QuadraticTask(5), DigitsMLPTask((8, 8), "tanh", 16), DigitsConvTask((4, 8), 16)],
+                         ids=["quadratic", "mlp", "conv"])
+def test_task_loss_and_gradients(task):
+    key = jax.random.PRNGKey(0)
+    task_params = task.sample_task_params(key)
+    params = task.init(key, task_params)
+    loss, grads = jax.value_and_grad(task.loss)(params, task.batch(key, task_params), task_params)
+    assert loss.shape == () and bool(jnp.isfinite(loss))
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+
+
+def test_families_sample_hashable_structures():
+    rng = np.random.default_rng(0)
+    family = DigitsMLPFamily()
+    sampled = {family.sample(rng) for _ in range(50)}
+    assert sampled <= set(family.tasks()) and len(sampled) > 3
+    assert len(family.tasks()) == 3 * 2 * 2
+    assert QuadraticFamily(dims=(3,)).sample(rng) == QuadraticTask(3, 10.0, 0.1)
+    with pytest.raises(ValueError, match="activation"):
+        DigitsMLPTask((8,), "swishy")
