@@ -29,6 +29,11 @@ def _atomic_write(target: pathlib.Path, write) -> None:
     try:
         with os.fdopen(fd, "wb") as handle:
             write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
         os.replace(tmp, target)
     except BaseException:
         if os.path.exists(tmp):

@@ -9,10 +9,13 @@ from carlskit.lopt import DigitsConvTask, DigitsMLPFamily, DigitsMLPTask, Quadra
 @pytest.mark.parametrize("task", [QuadraticTask(5), DigitsMLPTask((8, 8), "tanh", 16), DigitsConvTask((4, 8), 16)],
                          ids=["quadratic", "mlp", "conv"])
 def test_task_loss_and_gradients(task):
-    key = jax.random.PRNGKey(0)
-    task_params = task.sample_task_params(key)
-    params = task.init(key, task_params)
-    loss, grads = jax.value_and_grad(task.loss)(params, task.batch(key, task_params), task_params)
+    @jax.jit
+    def init_and_grad(key):
+        task_params = task.sample_task_params(key)
+        params = task.init(key, task_params)
+        return params, jax.value_and_grad(task.loss)(params, task.batch(key, task_params), task_params)
+
+    params, (loss, grads) = init_and_grad(jax.random.PRNGKey(0))
     assert loss.shape == () and bool(jnp.isfinite(loss))
     assert jax.tree.structure(grads) == jax.tree.structure(params)
 
