@@ -29,3 +29,14 @@ def test_families_sample_hashable_structures():
     assert QuadraticFamily(dims=(3,)).sample(rng) == QuadraticTask(3, 10.0, 0.1)
     with pytest.raises(ValueError, match="activation"):
         DigitsMLPTask((8,), "swishy")
+
+
+def test_conv_matches_lax_convolution():
+    from carlskit.lopt._tasks import _conv3x3_same
+
+    x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, 8, 3))
+    kernel = jax.random.normal(jax.random.PRNGKey(1), (3, 3, 3, 5))
+    reference = jax.lax.conv_general_dilated(x, kernel, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_allclose(_conv3x3_same(x, kernel), reference, rtol=1e-4, atol=1e-4)
+    strided = jax.lax.conv_general_dilated(x, kernel, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    np.testing.assert_allclose(_conv3x3_same(x, kernel)[:, 1::2, 1::2], strided, rtol=1e-4, atol=1e-4)
