@@ -60,10 +60,6 @@ def test_antithetic_pairs_share_initialisation_and_minibatches():
     pair_losses = np.asarray(metrics["pair_losses"])
     np.testing.assert_array_equal(pair_losses[:, 0], pair_losses[:, 1])
     assert len(set(pair_losses[:, 0].tolist())) == 4
-    # With several steps the perturbation shows up in the losses.
-    _, metrics = full_es_gradient(meta_params, jax.random.PRNGKey(6), task_keys, rule=rule, task=task,
-                                  num_steps=5, std=1.0)
-    assert not np.allclose(metrics["pair_losses"][:, 0], metrics["pair_losses"][:, 1])
 
 
 def test_pes_pairs_stay_in_step_and_restart_after_horizon():
