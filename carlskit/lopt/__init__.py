@@ -1,0 +1,48 @@
+"""Learned optimizers (Metz et al. 2022): per-parameter MLP optimizer, tasks, ES/PES meta-training.
+
+Public names: ``LearnedOptimizer``, ``LearnableAdam``, the pure update rules ``MLPUpdateRule`` and
+``LearnableAdamRule``, tasks (``Task``, ``TaskFamily``, ``QuadraticTask``, ``QuadraticFamily``,
+``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask``), inner training
+(``train_tasks_vectorized``, ``train_tasks_serial``) and the outer-gradient estimators
+(``full_es_gradient``, ``pes_gradient``, ``pes_init_state``, ``make_full_es_estimator``,
+``make_pes_estimator``).
+"""
+
+from carlskit.lopt._estimators import (
+    PESEstimator,
+    PESState,
+    antithetic_combine,
+    full_es_gradient,
+    make_full_es_estimator,
+    make_pes_estimator,
+    pes_gradient,
+    pes_init_state,
+)
+from carlskit.lopt._inner import (
+    InnerState,
+    aggregate_losses,
+    init_inner_state,
+    train_task,
+    train_tasks_serial,
+    train_tasks_vectorized,
+    unroll,
+)
+from carlskit.lopt._optimizer import LearnableAdam, LearnedOptimizer, optax_train_curves, tuned_sgd_learning_rate
+from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
+from carlskit.lopt._tasks import (
+    DigitsConvTask,
+    DigitsMLPFamily,
+    DigitsMLPTask,
+    QuadraticFamily,
+    QuadraticTask,
+    Task,
+    TaskFamily,
+)
+
+__all__ = [
+    "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "InnerState", "LearnableAdam", "LearnableAdamRule",
+    "LearnedOptimizer", "MLPUpdateRule", "PESEstimator", "PESState", "QuadraticFamily", "QuadraticTask", "Task",
+    "TaskFamily", "aggregate_losses", "antithetic_combine", "full_es_gradient", "init_inner_state",
+    "make_full_es_estimator", "make_pes_estimator", "optax_train_curves", "pes_gradient", "pes_init_state",
+    "train_task", "train_tasks_serial", "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll",
+]

@@ -1,0 +1,197 @@
+"""Outer-gradient estimators: antithetic ES over full unrolls and truncated PES (pure functions).
+
+Both are vmapped over task instances and over the two members of each antithetic pair. The
+members of a pair share their task key, so they start from the same initialisation and see the same
+minibatches; only the meta-parameter perturbation ``+/- std * eps`` differs (Metz et al. 2022,
+Sec. 3.2). With ``eps ~ N(0, I)``:
+
+    full ES:  g = 1/N sum_i (L(theta + std eps_i) - L(theta - std eps_i)) / (2 std) * eps_i
+    PES:      g = 1/N sum_i (L_i^+ - L_i^-) / (2 std) * sum_{truncations since reset} eps_i
+              (Vicol et al. 2021, Persistent Evolution Strategies)
+
+Pairs whose loss is not finite are dropped (NaN guarding) and, in PES, restarted.
+
+Entry points usable from any process (e.g. Dask workers): ``full_es_gradient(meta_params, key, task_keys, ...)``
+and ``pes_gradient(meta_params, key, state, ...)`` with configuration as static keyword arguments,
+or ``make_full_es_estimator`` / ``make_pes_estimator`` which bind the configuration and jit.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from carlskit.lopt._inner import InnerState, aggregate_losses, init_inner_state, unroll
+
+PyTree = Any
+
+
+def _sample_perturbations(key: jax.Array, meta_params: PyTree, num: int) -> PyTree:
+    leaves, treedef = jax.tree.flatten(meta_params)
+    keys = jax.random.split(key, len(leaves))
+    return treedef.unflatten([jax.random.normal(k, (num, *jnp.shape(x)), jnp.float32) for k, x in zip(keys, leaves)])
+
+
+def _pair_params(meta_params: PyTree, eps: PyTree, std: float) -> PyTree:
+    """Meta-parameters of one pair stacked on a new leading axis: ``[theta + std eps, theta - std eps]``."""
+    return jax.tree.map(lambda t, e: jnp.stack([t + std * e, t - std * e]), meta_params, eps)
+
+
+def antithetic_combine(pair_losses: jax.Array, directions: PyTree, std: float) -> tuple[PyTree, jax.Array]:
+    """``g = 1/N_valid sum_i (L_i^+ - L_i^-) / (2 std) * d_i`` over pairs with finite losses.
+
+    ``pair_losses``: ``[N, 2]`` (+, -); ``directions``: pytree with leading axis ``N``.
+    Returns the gradient and the ``[N]`` boolean mask of valid pairs.
+    """
+    valid = jnp.all(jnp.isfinite(pair_losses), axis=1)
+    diff = jnp.where(valid, pair_losses[:, 0] - pair_losses[:, 1], 0.0)
+    weights = diff / (2.0 * std) / jnp.maximum(jnp.sum(valid), 1)
+    grad = jax.tree.map(lambda d: jnp.tensordot(weights, d, axes=1), directions)
+    return grad, valid
+
+
+def _metrics(pair_losses: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
+    mean_loss = jnp.sum(jnp.where(valid[:, None], pair_losses, 0.0)) / jnp.maximum(2 * jnp.sum(valid), 1)
+    return {"outer_loss": mean_loss, "nan_fraction": 1.0 - jnp.mean(valid.astype(jnp.float32))}
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "task", "num_steps", "std", "aggregation"))
+def full_es_gradient(meta_params: PyTree, key: jax.Array, task_keys: jax.Array, *, rule: Any, task: Any,
+                     num_steps: int, std: float = 0.01, aggregation: str = "mean",
+                     time_scale: float = 1.0) -> tuple[PyTree, dict[str, jax.Array]]:
+    """Antithetic ES through full unrolls of ``num_steps`` from initialisation.
+
+    ``task_keys``: ``[N]`` keys, one per task instance (the task batch); pair ``i`` trains the
+    instance of ``task_keys[i]`` with ``theta + std eps_i`` and ``theta - std eps_i``, ``eps`` drawn
+    from ``key``. Returns ``(grad, metrics)``, ``metrics['pair_losses']`` of shape ``[N, 2]``.
+    """
+    num_tasks = task_keys.shape[0]
+    eps = _sample_perturbations(key, meta_params, num_tasks)
+
+    def member(theta, task_key, task_params):
+        state = init_inner_state(rule, task, task_key, task_params)
+        _, losses = unroll(rule, task, theta, state, task_key, task_params, num_steps, time_scale)
+        return aggregate_losses(losses, aggregation)
+
+    def pair(task_key, eps_i):
+        task_params = task.sample_task_params(jax.random.fold_in(task_key, 2))
+        thetas = _pair_params(meta_params, eps_i, std)
+        # Both members get the same task_key: same init, same minibatches.
+        return jax.vmap(member, in_axes=(0, None, None))(thetas, task_key, task_params)
+
+    pair_losses = jax.vmap(pair)(task_keys, eps)
+    grad, valid = antithetic_combine(pair_losses, eps, std)
+    return grad, {**_metrics(pair_losses, valid), "pair_losses": pair_losses}
+
+
+class PESState(NamedTuple):
+    """Persistent state of PES: per task, the two members' inner states and accumulated noise."""
+
+    inner: InnerState            # leaves with leading axes [num_tasks, 2]
+    accumulated_eps: PyTree      # leaves with leading axis [num_tasks]
+    task_keys: jax.Array         # [num_tasks] keys
+    task_params: PyTree          # leading axis [num_tasks]
+    episode_end: jax.Array       # [num_tasks] int32: inner step at which the task restarts
+
+
+def _fresh_tasks(rule, task, meta_params, key, num_tasks):
+    task_keys = jax.random.split(key, num_tasks)
+    task_params = jax.vmap(lambda k: task.sample_task_params(jax.random.fold_in(k, 2)))(task_keys)
+
+    def pair_state(task_key, tp):
+        state = init_inner_state(rule, task, task_key, tp)
+        return jax.tree.map(lambda x: jnp.stack([x, x]), state)
+
+    inner = jax.vmap(pair_state)(task_keys, task_params)
+    acc = jax.tree.map(lambda t: jnp.zeros((num_tasks, *jnp.shape(t)), jnp.float32), meta_params)
+    return inner, acc, task_keys, task_params
+
+
+def pes_init_state(meta_params: PyTree, key: jax.Array, *, rule: Any, task: Any, num_tasks: int,
+                   horizon: int, truncation_length: int) -> PESState:
+    """Fresh PES state; first episodes end at random multiples of the truncation (staggered tasks).
+
+    Not jitted on purpose: it runs once per task structure, and compiling it would cost more.
+    """
+    if horizon % truncation_length:
+        raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
+    fresh_key, stagger_key = jax.random.split(key)
+    inner, acc, task_keys, task_params = _fresh_tasks(rule, task, meta_params, fresh_key, num_tasks)
+    num_truncations = horizon // truncation_length
+    episode_end = truncation_length * jax.random.randint(stagger_key, (num_tasks,), 1, num_truncations + 1)
+    return PESState(inner, acc, task_keys, task_params, episode_end.astype(jnp.int32))
+
+
+def _select(mask: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
+    def pick(a, b):
+        m = mask.reshape(mask.shape + (1,) * (a.ndim - mask.ndim))
+        return jnp.where(m, a, b)
+    return jax.tree.map(pick, on_true, on_false)
+
+
+@functools.partial(jax.jit, static_argnames=("rule", "task", "num_tasks", "horizon", "truncation_length",
+                                             "std", "aggregation"))
+def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: Any, task: Any,
+                 num_tasks: int, horizon: int, truncation_length: int, std: float = 0.01,
+                 aggregation: str = "mean", time_scale: float = 1.0
+                 ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
+    """One PES outer step: restart finished tasks, unroll each pair ``truncation_length`` steps,
+    return ``(grad, new_state, metrics)``."""
+    if horizon % truncation_length:
+        raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
+    reset_key, eps_key = jax.random.split(key)
+    step = state.inner.step[:, 0]
+    reset = step >= state.episode_end
+    fresh_inner, fresh_acc, fresh_keys, fresh_params = _fresh_tasks(rule, task, meta_params, reset_key, num_tasks)
+    inner = _select(reset, fresh_inner, state.inner)
+    acc = _select(reset, fresh_acc, state.accumulated_eps)
+    task_keys = _select(reset, fresh_keys, state.task_keys)
+    task_params = _select(reset, fresh_params, state.task_params)
+    episode_end = jnp.where(reset, horizon, state.episode_end)
+
+    eps = _sample_perturbations(eps_key, meta_params, num_tasks)
+    acc = jax.tree.map(lambda a, e: a + e, acc, eps)
+
+    def member(theta, inner_state, task_key, tp):
+        new_state, losses = unroll(rule, task, theta, inner_state, task_key, tp, truncation_length, time_scale)
+        return new_state, aggregate_losses(losses, aggregation)
+
+    def pair(inner_pair, task_key, tp, eps_i):
+        thetas = _pair_params(meta_params, eps_i, std)
+        return jax.vmap(member, in_axes=(0, 0, None, None))(thetas, inner_pair, task_key, tp)
+
+    new_inner, pair_losses = jax.vmap(pair)(inner, task_keys, task_params, eps)
+    grad, valid = antithetic_combine(pair_losses, acc, std)
+    # A diverged pair is restarted at the next call.
+    episode_end = jnp.where(valid, episode_end, 0)
+    new_state = PESState(new_inner, acc, task_keys, task_params, episode_end.astype(jnp.int32))
+    return grad, new_state, {**_metrics(pair_losses, valid), "pair_losses": pair_losses}
+
+
+def make_full_es_estimator(rule: Any, task: Any, *, num_tasks: int, num_steps: int, std: float = 0.01,
+                           aggregation: str = "mean") -> Callable[[PyTree, jax.Array], tuple[PyTree, dict]]:
+    """Bind the configuration: returns the pure ``(meta_params, key) -> (grad, metrics)``."""
+    def estimator(meta_params: PyTree, key: jax.Array) -> tuple[PyTree, dict]:
+        task_key, eps_key = jax.random.split(key)
+        return full_es_gradient(meta_params, eps_key, jax.random.split(task_key, num_tasks), rule=rule, task=task,
+                                num_steps=num_steps, std=std, aggregation=aggregation)
+
+    return estimator
+
+
+class PESEstimator(NamedTuple):
+    """``init(meta_params, key) -> state`` and ``gradient(meta_params, key, state) -> (grad, state, metrics)``."""
+
+    init: Callable[[PyTree, jax.Array], PESState]
+    gradient: Callable[[PyTree, jax.Array, PESState], tuple[PyTree, PESState, dict]]
+
+
+def make_pes_estimator(rule: Any, task: Any, *, num_tasks: int, horizon: int, truncation_length: int,
+                       std: float = 0.01, aggregation: str = "mean") -> PESEstimator:
+    """Bind the configuration of truncated PES; both returned functions are pure and jitted."""
+    config = dict(rule=rule, task=task, num_tasks=num_tasks, horizon=horizon, truncation_length=truncation_length)
+    return PESEstimator(functools.partial(pes_init_state, **config),
+                        functools.partial(pes_gradient, std=std, aggregation=aggregation, **config))

@@ -1,0 +1,292 @@
+"""``LearnedOptimizer``: a thin object holding an update rule and meta-parameters.
+
+It turns them into an optax transformation, saves/loads them without pickle, ships pretrained
+meta-parameters, and runs a single-process meta-training loop over the pure estimators.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import os
+import pathlib
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
+from carlskit.lopt._inner import train_task, train_tasks_vectorized
+from carlskit.lopt._io import load_meta_params, save_meta_params
+from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
+from carlskit.lopt._tasks import Task, TaskFamily
+
+PyTree = Any
+PRETRAINED_NAME = "pretrained_mlp_lopt"
+
+
+class _SingleTaskFamily(TaskFamily):
+    def __init__(self, task: Task) -> None:
+        self._task = task
+
+    def tasks(self) -> tuple[Task, ...]:
+        return (self._task,)
+
+    def sample(self, rng: np.random.Generator) -> Task:
+        return self._task
+
+
+class LearnedOptimizer:
+    """Per-parameter learned optimizer (Metz et al. 2022, "VeLO/practical tradeoffs"; MLPLOpt).
+
+    ``rule`` is a pure update rule (default ``MLPUpdateRule()``); ``meta_params`` its parameters
+    (``init(key)`` makes random ones, ``pretrained()`` loads the shipped ones). ``train_horizon``
+    is the inner-training length the meta-parameters were trained for (used by ``as_optax(num_steps=)``).
+    """
+
+    def __init__(self, rule: Any | None = None, meta_params: PyTree | None = None,
+                 train_horizon: int | None = None, info: dict[str, Any] | None = None) -> None:
+        self.rule = MLPUpdateRule() if rule is None else rule
+        for name in ("init_meta_params", "init_state", "update"):
+            if not callable(getattr(self.rule, name, None)):
+                raise TypeError(f"rule must define {name}(); got {type(self.rule).__name__}")
+        if meta_params is not None:
+            self._check_meta_params(meta_params)
+        self.meta_params = meta_params
+        self.train_horizon = train_horizon
+        self.info = dict(info or {})
+        self.history: dict[str, list[float]] = {"step": [], "outer_loss": []}
+
+    def __repr__(self) -> str:
+        state = "untrained" if self.meta_params is None else f"{self.num_meta_params} meta-params"
+        return f"{type(self).__name__}({self.rule!r}, {state}, train_horizon={self.train_horizon})"
+
+    # ------------------------------------------------------------------ meta-parameters
+    def init(self, key: jax.Array) -> PyTree:
+        """Fresh meta-parameters ``rule.init_meta_params(key)`` (does not store them)."""
+        return self.rule.init_meta_params(key)
+
+    @property
+    def num_meta_params(self) -> int:
+        return int(sum(np.size(x) for x in jax.tree.leaves(self.meta_params)))
+
+    def _check_meta_params(self, meta_params: PyTree) -> None:
+        expected = jax.eval_shape(self.rule.init_meta_params, jax.random.PRNGKey(0))
+        got_structure, want_structure = jax.tree.structure(meta_params), jax.tree.structure(expected)
+        if got_structure != want_structure:
+            raise TypeError(f"meta_params: expected pytree {want_structure}, got {got_structure}")
+        for got, want in zip(jax.tree.leaves(meta_params), jax.tree.leaves(expected)):
+            if tuple(np.shape(got)) != tuple(want.shape):
+                raise ValueError(f"meta_params: leaf of shape {np.shape(got)}, expected {want.shape}")
+
+    def _resolve(self, meta_params: PyTree | None) -> PyTree:
+        if meta_params is None:
+            if self.meta_params is None:
+                raise ValueError("meta_params: none given and this optimizer holds none "
+                                 "(use init(key), pretrained() or meta_train())")
+            return self.meta_params
+        self._check_meta_params(meta_params)
+        return meta_params
+
+    # ------------------------------------------------------------------ optax adapter
+    def as_optax(self, meta_params: PyTree | None = None,
+                 num_steps: int | None = None) -> optax.GradientTransformationExtraArgs:
+        """An optax transformation applying the learned rule; ``update`` needs ``params``.
+
+        ``num_steps``: the length of the run it will be used for; the time features then see
+        ``t * train_horizon / num_steps`` so a schedule learned for ``train_horizon`` stretches to
+        the new length. Extra arguments such as ``loss=`` are accepted and ignored.
+        """
+        theta = self._resolve(meta_params)
+        if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
+            raise ValueError(f"num_steps must be a positive int or None, got {num_steps!r}")
+        time_scale = 1.0 if num_steps is None or self.train_horizon is None else self.train_horizon / num_steps
+        rule = self.rule
+
+        def init_fn(params: PyTree) -> PyTree:
+            return rule.init_state(params)
+
+        def update_fn(updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any):
+            del extra_args
+            if params is None:
+                raise ValueError("params: the learned optimizer reads parameter values; "
+                                 "call tx.update(grads, state, params)")
+            return rule.update(theta, state, updates, params, time_scale)
+
+        return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+    # ------------------------------------------------------------------ persistence
+    def config(self) -> dict[str, Any]:
+        return {"rule": rule_to_config(self.rule), "train_horizon": self.train_horizon, "info": self.info}
+
+    def save(self, meta_params: PyTree | None, path: str | os.PathLike) -> pathlib.Path:
+        """Write ``<path>.npz`` + ``<path>.json`` atomically (no pickle); ``None`` saves the held ones."""
+        return save_meta_params(path, self._resolve(meta_params), self.config())
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> "LearnedOptimizer":
+        """A ``LearnedOptimizer`` with the rule, meta-parameters and horizon stored at ``path``."""
+        meta_params, config = load_meta_params(path)
+        return LearnedOptimizer(rule_from_config(config["rule"]), meta_params, config.get("train_horizon"),
+                                config.get("info"))
+
+    @classmethod
+    def pretrained(cls) -> "LearnedOptimizer":
+        """The MLP optimizer meta-trained on ``DigitsMLPFamily`` that ships with carlskit.
+
+        Reproduce with ``python -m carlskit.lopt.train_pretrained`` (see that module).
+        """
+        resource = importlib.resources.files("carlskit.lopt") / f"{PRETRAINED_NAME}.json"
+        with importlib.resources.as_file(resource) as json_path:
+            return cls.load(json_path)
+
+    # ------------------------------------------------------------------ evaluation
+    def train_curves(self, task: Task, num_steps: int = 200, num_tasks: int = 8, seed: int = 0,
+                     meta_params: PyTree | None = None) -> np.ndarray:
+        """Inner-training losses ``[num_tasks, num_steps]`` of ``task`` instances, all vmapped."""
+        theta = self._resolve(meta_params)
+        time_scale = 1.0 if self.train_horizon is None else self.train_horizon / num_steps
+        keys = jax.random.split(jax.random.PRNGKey(seed), num_tasks)
+        return np.asarray(train_tasks_vectorized(self.rule, task, theta, keys, num_steps, time_scale))
+
+    # ------------------------------------------------------------------ meta-training
+    def meta_train(self, task_family: TaskFamily | Task, num_outer_steps: int = 100, *,
+                   estimator: str = "pes", num_tasks: int = 8, horizon: int = 200,
+                   truncation_length: int = 50, std: float = 0.01, meta_learning_rate: float = 3e-3,
+                   aggregation: str = "mean", seed: int = 0, meta_params: PyTree | None = None,
+                   progress: bool = True, live_plot: bool | None = None, plot_every: int = 10,
+                   time_budget_s: float | None = None,
+                   callback: Callable[[int, dict[str, float]], None] | None = None) -> "LearnedOptimizer":
+        """Meta-train with ``estimator`` in ``{'pes', 'es'}`` and Adam on the meta-parameters.
+
+        Each outer step samples a task structure from ``task_family`` and runs ``num_tasks``
+        antithetic pairs of it vmapped. PES keeps one persistent state per task structure (unrolls
+        of ``truncation_length`` within episodes of ``horizon`` steps); ES unrolls ``horizon`` steps.
+        Starts from ``meta_params``, else the held ones, else ``init(PRNGKey(seed))``. Shows a
+        tqdm bar and, in a notebook (``live_plot=None``), a live outer-loss curve. Returns a new
+        ``LearnedOptimizer`` carrying the result and its ``history``.
+        """
+        if estimator not in ("pes", "es"):
+            raise ValueError(f"estimator must be 'pes' or 'es', got {estimator!r}")
+        if num_outer_steps < 1 or num_tasks < 1:
+            raise ValueError("num_outer_steps and num_tasks must be >= 1")
+        if estimator == "pes" and horizon % truncation_length:
+            raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
+        family = _SingleTaskFamily(task_family) if isinstance(task_family, Task) else task_family
+        if not isinstance(family, TaskFamily):
+            raise TypeError(f"task_family must be a TaskFamily or Task, got {type(task_family).__name__}")
+
+        key = jax.random.PRNGKey(seed)
+        if meta_params is None and self.meta_params is None:
+            key, init_key = jax.random.split(key)
+            theta = self.init(init_key)
+        else:
+            theta = self._resolve(meta_params)
+        meta_optimizer = optax.adam(meta_learning_rate)
+        meta_state = meta_optimizer.init(theta)
+        rng = np.random.default_rng(seed)
+        estimators: dict[Task, Any] = {}
+        pes_states: dict[Task, Any] = {}
+
+        from tqdm.auto import tqdm
+        live = None
+        if live_plot or (live_plot is None and progress):
+            from carlskit.lopt._live import LiveCurve, in_notebook
+            if live_plot or in_notebook():
+                live = LiveCurve(f"{estimator.upper()} meta-training, {num_tasks} tasks")
+        history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
+        bar = tqdm(range(num_outer_steps), disable=not progress, desc=f"meta-train ({estimator})")
+        started = time.monotonic()
+        for outer_step in bar:
+            task = family.sample(rng)
+            key, step_key, init_key = jax.random.split(key, 3)
+            if task not in estimators:
+                if estimator == "pes":
+                    estimators[task] = make_pes_estimator(self.rule, task, num_tasks=num_tasks, horizon=horizon,
+                                                          truncation_length=truncation_length, std=std,
+                                                          aggregation=aggregation)
+                else:
+                    estimators[task] = make_full_es_estimator(self.rule, task, num_tasks=num_tasks,
+                                                              num_steps=horizon, std=std, aggregation=aggregation)
+            if estimator == "pes":
+                if task not in pes_states:
+                    pes_states[task] = estimators[task].init(theta, init_key)
+                grad, pes_states[task], metrics = estimators[task].gradient(theta, step_key, pes_states[task])
+            else:
+                grad, metrics = estimators[task](theta, step_key)
+            if all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grad)):
+                updates, meta_state = meta_optimizer.update(grad, meta_state, theta)
+                theta = optax.apply_updates(theta, updates)
+            outer_loss = float(metrics["outer_loss"])
+            history["step"].append(outer_step)
+            history["outer_loss"].append(outer_loss)
+            history["nan_fraction"].append(float(metrics["nan_fraction"]))
+            bar.set_postfix(outer_loss=f"{outer_loss:.4f}")
+            if callback is not None:
+                callback(outer_step, {"outer_loss": outer_loss, "nan_fraction": history["nan_fraction"][-1]})
+            if live is not None and (outer_step % plot_every == 0 or outer_step == num_outer_steps - 1):
+                live.update(history["step"], history["outer_loss"])
+            if time_budget_s is not None and time.monotonic() - started > time_budget_s:
+                break
+        if live is not None:
+            live.update(history["step"], history["outer_loss"])
+        trained = type(self).__new__(type(self))
+        LearnedOptimizer.__init__(trained, self.rule, theta, horizon, self.info)
+        trained.history = history
+        return trained
+
+
+class LearnableAdam(LearnedOptimizer):
+    """Adam with meta-learned ``lr, beta1, beta2, eps`` (the baseline of Metz et al.); same API."""
+
+    def __init__(self, meta_params: PyTree | None = None, train_horizon: int | None = None,
+                 initial_learning_rate: float = 1e-3, info: dict[str, Any] | None = None) -> None:
+        rule = LearnableAdamRule(initial_learning_rate)
+        super().__init__(rule, rule.init_meta_params() if meta_params is None else meta_params,
+                         train_horizon, info)
+
+
+def tuned_sgd_learning_rate(task: Task, num_steps: int = 200, num_tasks: int = 4, seed: int = 1000,
+                            learning_rates: tuple[float, ...] = tuple(10.0 ** np.arange(-3.0, 1.01, 0.25)),
+                            ) -> tuple[float, np.ndarray]:
+    """Grid-search plain SGD ``p <- p - lr g`` on ``task`` by the mean loss of the last 10 steps.
+
+    All learning rates and ``num_tasks`` instances (keys from ``seed``, so tune on other instances
+    than you evaluate on) train in one vmapped program. Returns ``(best_lr, curves[lr, task, step])``.
+    """
+    keys = jax.random.split(jax.random.PRNGKey(seed), num_tasks)
+
+    def curves_for(lr):
+        rule = _OptaxRule(optax.sgd(lr))
+        return jax.vmap(lambda k: train_task(rule, task, {}, k, num_steps))(keys)
+
+    curves = np.asarray(jax.jit(jax.vmap(curves_for))(jnp.asarray(learning_rates, jnp.float32)))
+    finals = np.nan_to_num(curves[:, :, -10:].mean(axis=(1, 2)), nan=np.inf)
+    return float(learning_rates[int(np.argmin(finals))]), curves
+
+
+def optax_train_curves(transformation: optax.GradientTransformation, task: Task, num_steps: int = 200,
+                       num_tasks: int = 8, seed: int = 0) -> np.ndarray:
+    """Losses ``[num_tasks, num_steps]`` of training ``task`` instances with an optax optimizer
+    (same task keys and minibatches as ``LearnedOptimizer.train_curves`` for the same ``seed``)."""
+    rule = _OptaxRule(transformation)
+    keys = jax.random.split(jax.random.PRNGKey(seed), num_tasks)
+    return np.asarray(jax.jit(jax.vmap(lambda k: train_task(rule, task, {}, k, num_steps)))(keys))
+
+
+class _OptaxRule:
+    """Adapts any optax transformation to the update-rule protocol (no meta-parameters)."""
+
+    def __init__(self, transformation: optax.GradientTransformation) -> None:
+        self.transformation = transformation
+
+    def init_meta_params(self, key=None):
+        return {}
+
+    def init_state(self, params):
+        return self.transformation.init(params)
+
+    def update(self, meta_params, state, grads, params, time_scale=1.0):
+        return self.transformation.update(grads, state, params)

@@ -1,0 +1,199 @@
+"""Pure update rules of learned optimizers: the per-parameter MLP rule and LearnableAdam.
+
+An update rule is a frozen (hashable) dataclass, so it can be a static argument of ``jax.jit``.
+It has three pure functions over plain pytrees:
+
+* ``init_meta_params(key) -> meta_params``
+* ``init_state(params) -> state``
+* ``update(meta_params, state, grads, params, time_scale) -> (updates, state)``
+
+``updates`` are added to the parameters (optax convention: ``params + updates``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+TIME_SCALES: tuple[float, ...] = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0)
+
+
+def tanh_time_features(step: jax.Array) -> jax.Array:
+    """Time embedding ``tanh(t / s - 1)`` for s in ``TIME_SCALES`` (Metz et al. 2022, App. C; MLPLOpt)."""
+    step = jnp.asarray(step, jnp.float32)
+    return jnp.tanh(step / jnp.asarray(TIME_SCALES, jnp.float32) - 1.0)
+
+
+def second_moment_normalize(features: jax.Array, epsilon: float = 1e-5) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps)`` per feature over all entries of a tensor (last axis = feature)."""
+    axes = tuple(range(features.ndim - 1))
+    return features * jax.lax.rsqrt(jnp.mean(jnp.square(features), axis=axes, keepdims=True) + epsilon)
+
+
+def _dense_init(key: jax.Array, fan_in: int, fan_out: int, scale: float = 1.0) -> dict[str, jax.Array]:
+    weight = jax.random.normal(key, (fan_in, fan_out), jnp.float32) * (scale / math.sqrt(fan_in))
+    return {"w": weight, "b": jnp.zeros((fan_out,), jnp.float32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPUpdateRule:
+    """Per-parameter MLP optimizer in the style of learned_optimization's ``MLPLOpt``.
+
+    For every scalar parameter the MLP reads the gradient ``g``, the parameter ``p`` and momenta
+    ``m_k = b_k m_k + (1 - b_k) g`` for each decay ``b_k``; each of these features is divided by its
+    root mean square over the tensor. Time features ``tanh(t / s - 1)`` are shared by all parameters.
+    The MLP (plus a linear skip path) outputs a direction ``d`` and a magnitude ``a``; the step is
+
+        p <- p - d * exp(exp_mult * a) * step_mult        (Metz et al. 2022, Sec. 3 / App. C)
+
+    ``initial_learning_rate`` sets the skip weight from the normalised ``b=0.9`` momentum to the
+    direction so that an untrained optimizer is per-tensor-normalised momentum SGD with that step
+    size (0 gives a plain random MLPLOpt). With minutes instead of CPU-years of meta-training this
+    starting point matters; ES then learns the rest (schedules, use of the other features).
+    """
+
+    hidden_sizes: tuple[int, ...] = (32, 32)
+    decays: tuple[float, ...] = (0.1, 0.5, 0.9, 0.99, 0.999)
+    step_mult: float = 1e-3
+    exp_mult: float = 1e-3
+    initial_learning_rate: float = 1e-2
+    kind: ClassVar[str] = "mlp"
+
+    def __post_init__(self) -> None:
+        if not self.hidden_sizes or any(int(h) <= 0 for h in self.hidden_sizes):
+            raise ValueError(f"hidden_sizes must be a non-empty tuple of positive ints, got {self.hidden_sizes!r}")
+        if not self.decays or any(not 0.0 <= d < 1.0 for d in self.decays):
+            raise ValueError(f"decays must be a non-empty tuple of floats in [0, 1), got {self.decays!r}")
+        object.__setattr__(self, "hidden_sizes", tuple(int(h) for h in self.hidden_sizes))
+        object.__setattr__(self, "decays", tuple(float(d) for d in self.decays))
+
+    @property
+    def num_param_features(self) -> int:
+        return 2 + len(self.decays)
+
+    @property
+    def num_features(self) -> int:
+        return self.num_param_features + len(TIME_SCALES)
+
+    def init_meta_params(self, key: jax.Array) -> PyTree:
+        """Random MLP weights (last layer scaled down) and the momentum-SGD skip path."""
+        sizes = (self.num_features, *self.hidden_sizes, 2)
+        keys = jax.random.split(key, len(sizes) - 1)
+        layers = [
+            _dense_init(k, fan_in, fan_out, scale=0.1 if i == len(sizes) - 2 else 1.0)
+            for i, (k, fan_in, fan_out) in enumerate(zip(keys, sizes[:-1], sizes[1:]))
+        ]
+        skip = jnp.zeros((self.num_features, 2), jnp.float32)
+        momentum_index = 2 + min(range(len(self.decays)), key=lambda i: abs(self.decays[i] - 0.9))
+        skip = skip.at[momentum_index, 0].set(self.initial_learning_rate / self.step_mult)
+        return {"layers": layers, "skip": skip}
+
+    def init_state(self, params: PyTree) -> PyTree:
+        momenta = jax.tree.map(lambda p: jnp.zeros((len(self.decays), *jnp.shape(p)), jnp.float32), params)
+        return {"momenta": momenta, "step": jnp.zeros((), jnp.int32)}
+
+    def _features(self, grad, param, momenta):
+        """Per-entry features ``[n, 2 + len(decays)]`` of one tensor and its new momenta."""
+        grad = jnp.asarray(grad, jnp.float32)
+        decays = jnp.asarray(self.decays, jnp.float32).reshape((-1,) + (1,) * grad.ndim)
+        momenta = decays * momenta + (1.0 - decays) * grad
+        per_param = jnp.stack([grad, jnp.asarray(param, jnp.float32), *momenta], axis=-1)
+        return second_moment_normalize(per_param).reshape(-1, self.num_param_features), momenta
+
+    def update(self, meta_params: PyTree, state: PyTree, grads: PyTree, params: PyTree,
+               time_scale: float | jax.Array = 1.0) -> tuple[PyTree, PyTree]:
+        """One optimizer step for every leaf of ``params``; returns ``(updates, new_state)``.
+
+        Features are normalised tensor by tensor, then all entries go through the MLP at once.
+        """
+        time_features = tanh_time_features(state["step"].astype(jnp.float32) * time_scale)
+        treedef = jax.tree.structure(params)
+        flat_params = treedef.flatten_up_to(params)
+        pairs = [self._features(g, p, m) for g, p, m in zip(treedef.flatten_up_to(grads), flat_params,
+                                                            treedef.flatten_up_to(state["momenta"]))]
+        features = jnp.concatenate([f for f, _ in pairs], axis=0)
+        layers, skip = meta_params["layers"], meta_params["skip"]
+        npf = self.num_param_features
+        # The time features are the same for every entry: their part of the first layer and of the
+        # skip path is one shared bias vector.
+        hidden = features @ layers[0]["w"][:npf] + (time_features @ layers[0]["w"][npf:] + layers[0]["b"])
+        for layer in layers[1:]:
+            hidden = jax.nn.relu(hidden) @ layer["w"] + layer["b"]
+        out = hidden + features @ skip[:npf] + time_features @ skip[npf:]
+        steps = out[:, 0] * jnp.exp(self.exp_mult * out[:, 1]) * self.step_mult
+        updates, offset = [], 0
+        for p in flat_params:
+            size = int(np.prod(jnp.shape(p), dtype=np.int64))
+            updates.append((-steps[offset:offset + size]).reshape(jnp.shape(p)).astype(jnp.result_type(p)))
+            offset += size
+        momenta = treedef.unflatten([m for _, m in pairs])
+        return treedef.unflatten(updates), {"momenta": momenta, "step": state["step"] + 1}
+
+
+def _logit(x: float) -> float:
+    return math.log(x / (1.0 - x))
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnableAdamRule:
+    """Adam whose hyperparameters are meta-parameters (learned_optimization's ``LearnableAdam``).
+
+    ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``, ``p <- p - lr * m_hat / (sqrt(v_hat) + eps)``
+    with ``lr = exp(log_lr)``, ``b = sigmoid(logit_b)``, ``eps = exp(log_eps)`` (Kingma & Ba 2015).
+    """
+
+    initial_learning_rate: float = 1e-3
+    kind: ClassVar[str] = "adam"
+
+    def init_meta_params(self, key: jax.Array | None = None) -> PyTree:
+        del key
+        return {
+            "log_learning_rate": jnp.asarray(math.log(self.initial_learning_rate), jnp.float32),
+            "logit_beta1": jnp.asarray(_logit(0.9), jnp.float32),
+            "logit_beta2": jnp.asarray(_logit(0.999), jnp.float32),
+            "log_epsilon": jnp.asarray(math.log(1e-8), jnp.float32),
+        }
+
+    def init_state(self, params: PyTree) -> PyTree:
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        return {"mu": zeros, "nu": zeros, "step": jnp.zeros((), jnp.int32)}
+
+    def update(self, meta_params: PyTree, state: PyTree, grads: PyTree, params: PyTree,
+               time_scale: float | jax.Array = 1.0) -> tuple[PyTree, PyTree]:
+        del time_scale
+        lr = jnp.exp(meta_params["log_learning_rate"])
+        b1 = jax.nn.sigmoid(meta_params["logit_beta1"])
+        b2 = jax.nn.sigmoid(meta_params["logit_beta2"])
+        eps = jnp.exp(meta_params["log_epsilon"])
+        step = state["step"] + 1
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * jnp.asarray(g, jnp.float32), state["mu"], grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * jnp.square(jnp.asarray(g, jnp.float32)), state["nu"], grads)
+        t = step.astype(jnp.float32)
+        updates = jax.tree.map(
+            lambda m, v, p: (-lr * (m / (1 - b1**t)) / (jnp.sqrt(v / (1 - b2**t)) + eps)).astype(jnp.result_type(p)),
+            mu, nu, params)
+        return updates, {"mu": mu, "nu": nu, "step": step}
+
+
+RULE_KINDS: dict[str, type] = {MLPUpdateRule.kind: MLPUpdateRule, LearnableAdamRule.kind: LearnableAdamRule}
+
+
+def rule_to_config(rule: Any) -> dict[str, Any]:
+    """JSON-able description of a rule (``kind`` plus its dataclass fields)."""
+    fields = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule)}
+    return {"kind": rule.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}
+
+
+def rule_from_config(config: dict[str, Any]) -> Any:
+    config = dict(config)
+    kind = config.pop("kind", None)
+    if kind not in RULE_KINDS:
+        raise ValueError(f"config['kind'] must be one of {sorted(RULE_KINDS)}, got {kind!r}")
+    return RULE_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})

@@ -1,0 +1,94 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from carlskit.lopt import LearnableAdam, LearnableAdamRule, LearnedOptimizer, MLPUpdateRule
+
+SMALL_RULE = MLPUpdateRule(hidden_sizes=(8,))
+
+
+def _odd_params():
+    return {
+        "dense": {"w": jnp.ones((3, 4), jnp.float32), "b": jnp.zeros((4,), jnp.bfloat16)},
+        "list": [jnp.full((), 2.0, jnp.float32), jnp.arange(8, dtype=jnp.float16).reshape(2, 2, 2)],
+        "tuple": (jnp.linspace(-1, 1, 5, dtype=jnp.float32),),
+    }
+
+
+@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+def test_updates_keep_shapes_and_dtypes_of_any_pytree(rule):
+    params = _odd_params()
+    grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.5, params)
+    optimizer = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0)))
+    tx = optimizer.as_optax()
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    assert jax.tree.structure(updates) == jax.tree.structure(params)
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
+        assert u.shape == p.shape and u.dtype == p.dtype
+        assert bool(jnp.all(jnp.isfinite(u.astype(jnp.float32))))
+    assert int(state["step"]) == 1
+
+
+def test_optax_adapter_inside_chain_with_clipping():
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones((3,))}
+    grads = jax.tree.map(lambda p: 100.0 * jnp.ones_like(p), params)
+    optimizer = LearnedOptimizer(SMALL_RULE, SMALL_RULE.init_meta_params(jax.random.PRNGKey(1)))
+    chained = optax.chain(optax.clip_by_global_norm(1.0), optimizer.as_optax())
+    state = chained.init(params)
+    updates, state = chained.update(grads, state, params, loss=jnp.asarray(3.0))  # extra arg accepted
+    # Reference: clip by hand, then the bare rule.
+    clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+    expected, _ = SMALL_RULE.update(optimizer.meta_params, SMALL_RULE.init_state(params), clipped, params)
+    for got, want in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+    # The momenta saw the clipped gradient, not the raw one.
+    assert float(jnp.max(jnp.abs(state[1]["momenta"]["w"]))) < 1.0
+
+
+def test_as_optax_requires_params_and_meta_params():
+    tx = LearnableAdam().as_optax()
+    params = {"x": jnp.ones(3)}
+    with pytest.raises(ValueError, match="params"):
+        tx.update(params, tx.init(params))
+    with pytest.raises(ValueError, match="meta_params"):
+        LearnedOptimizer(SMALL_RULE).as_optax()
+    with pytest.raises(TypeError, match="meta_params"):
+        LearnedOptimizer(SMALL_RULE).as_optax({"wrong": jnp.zeros(2)})
+    with pytest.raises(ValueError, match="num_steps"):
+        LearnableAdam().as_optax(num_steps=0)
+
+
+def test_untrained_mlp_rule_descends_like_momentum():
+    rule = MLPUpdateRule(initial_learning_rate=0.05)
+    optimizer = LearnedOptimizer(rule)
+    optimizer.meta_params = optimizer.init(jax.random.PRNGKey(0))
+    tx = optimizer.as_optax()
+    params = {"x": jnp.linspace(-2.0, 2.0, 16)}
+    loss = lambda p: jnp.sum(p["x"] ** 2)
+    state = tx.init(params)
+    start = loss(params)
+    for _ in range(30):
+        updates, state = tx.update(jax.grad(loss)(params), state, params)
+        params = optax.apply_updates(params, updates)
+    assert float(loss(params)) < 0.5 * float(start)
+
+
+def test_learnable_adam_matches_optax_adam():
+    params = {"w": jnp.linspace(-1.0, 1.0, 7)}
+    grads = {"w": jnp.linspace(0.3, -0.2, 7)}
+    ours, reference = LearnableAdam().as_optax(), optax.adam(1e-3)
+    s1, s2 = ours.init(params), reference.init(params)
+    for _ in range(3):
+        u1, s1 = ours.update(grads, s1, params)
+        u2, s2 = reference.update(grads, s2, params)
+        np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-5, atol=1e-9)
+
+
+def test_rule_validates_configuration():
+    with pytest.raises(ValueError, match="hidden_sizes"):
+        MLPUpdateRule(hidden_sizes=())
+    with pytest.raises(ValueError, match="decays"):
+        MLPUpdateRule(decays=(1.5,))
