@@ -27,6 +27,7 @@ def client():
     cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
                                        dashboard_address=None)
     dask_client = distributed.Client(cluster)
+    dask_client.wait_for_workers(2, timeout=120)  # under load, workers may register after start-up
     yield dask_client
     dask_client.close()
     cluster.close()

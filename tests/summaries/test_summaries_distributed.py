@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def client():
-    from conftest import wait_for_no_children
+    from process_helpers import wait_for_no_children
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     client = carlskit.connect(n_workers=2)
