@@ -1,20 +1,56 @@
 """carlskit: knowledge computed beside training, giant sparse models, trained optimizers.
 
-Public names are re-exported here; implementations live in one subpackage per system part.
+Public names are re-exported here; implementations live in one subpackage per system part. The
+re-exports are resolved on first use (PEP 562), so ``import carlskit`` and the worker plugin that
+``connect()`` ships to Dask workers do not import JAX: workers must be configured before JAX starts.
 """
 
-from carlskit import widgets
-from carlskit.bank import KnowledgeBank
-from carlskit.cluster import connect, devices
-from carlskit.lopt import LearnedOptimizer
-from carlskit.makers import EmbeddingMaker, Maker, NeighborMaker
-from carlskit.moe import MoEModel
-from carlskit.summaries import SummaryReader, SummaryWriter
-from carlskit.training import CheckpointStore, Trainer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "connect", "devices", "KnowledgeBank", "CheckpointStore", "Trainer", "Maker", "EmbeddingMaker",
-    "NeighborMaker", "MoEModel", "LearnedOptimizer", "SummaryWriter", "SummaryReader", "widgets",
-]
+_EXPORTS = {
+    "connect": "carlskit.cluster",
+    "devices": "carlskit.cluster",
+    "KnowledgeBank": "carlskit.bank",
+    "CheckpointStore": "carlskit.training",
+    "Trainer": "carlskit.training",
+    "Maker": "carlskit.makers",
+    "EmbeddingMaker": "carlskit.makers",
+    "NeighborMaker": "carlskit.makers",
+    "MoEModel": "carlskit.moe",
+    "LearnedOptimizer": "carlskit.lopt",
+    "SummaryWriter": "carlskit.summaries",
+    "SummaryReader": "carlskit.summaries",
+}
+_SUBPACKAGES = ("bank", "cluster", "data", "lopt", "makers", "moe", "paradigms", "summaries", "training", "widgets")
+
+__all__ = [*_EXPORTS, *_SUBPACKAGES]
+
+if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
+    from carlskit import widgets
+    from carlskit.bank import KnowledgeBank
+    from carlskit.cluster import connect, devices
+    from carlskit.lopt import LearnedOptimizer
+    from carlskit.makers import EmbeddingMaker, Maker, NeighborMaker
+    from carlskit.moe import MoEModel
+    from carlskit.summaries import SummaryReader, SummaryWriter
+    from carlskit.training import CheckpointStore, Trainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"carlskit.{name}")
+    else:
+        raise AttributeError(f"module 'carlskit' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

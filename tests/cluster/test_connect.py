@@ -121,6 +121,9 @@ def test_connects_to_cli_started_scheduler_and_worker(cli_cluster):
         assert client.submit(lambda x: x + 1, 41).result() == 42
         # The plugin configured the worker the CLI started (not spawned by carlskit).
         assert set(client.run(worker_settings).values()) == {("1", "false", None)}
+        # ...and did so before JAX was imported there (shipping the plugin does not import JAX).
+        preconfigured = client.run(lambda dask_worker: dask_worker.carlskit_jax_preconfigured)
+        assert set(preconfigured.values()) == {True}
         address = client.scheduler.address
     finally:
         client.close()

@@ -47,3 +47,13 @@ def test_xla_flags_are_merged_not_replaced():
         "XLA_FLAGS": "--xla_force_host_platform_device_count=8 --xla_cpu_multi_thread_eigen=false",
         "OMP_NUM_THREADS": "2",
     }
+
+
+def test_importing_carlskit_and_its_worker_plugin_does_not_import_jax():
+    import subprocess
+    import sys
+
+    code = ("import sys, carlskit, carlskit.cluster._environment; "
+            "assert 'jax' not in sys.modules, 'jax was imported'; carlskit.Trainer; "
+            "assert 'jax' in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
