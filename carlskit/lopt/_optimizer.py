@@ -193,9 +193,12 @@ class LearnedOptimizer:
         from tqdm.auto import tqdm
         live = None
         if live_plot or (live_plot is None and progress):
-            from carlskit.lopt._live import LiveCurve, in_notebook
+            from IPython.display import display
+
+            from carlskit.widgets import LivePlot, in_notebook
             if live_plot or in_notebook():
-                live = LiveCurve(f"{estimator.upper()} meta-training, {num_tasks} tasks")
+                live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
+                display(live.widget)
         history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
         bar = tqdm(range(num_outer_steps), disable=not progress, desc=f"meta-train ({estimator})")
         started = time.monotonic()
@@ -227,11 +230,11 @@ class LearnedOptimizer:
             if callback is not None:
                 callback(outer_step, {"outer_loss": outer_loss, "nan_fraction": history["nan_fraction"][-1]})
             if live is not None and (outer_step % plot_every == 0 or outer_step == num_outer_steps - 1):
-                live.update(history["step"], history["outer_loss"])
+                live.update({"outer loss": (history["step"], history["outer_loss"])}, force=True)
             if time_budget_s is not None and time.monotonic() - started > time_budget_s:
                 break
         if live is not None:
-            live.update(history["step"], history["outer_loss"])
+            live.update({"outer loss": (history["step"], history["outer_loss"])}, force=True)
         trained = type(self).__new__(type(self))
         LearnedOptimizer.__init__(trained, self.rule, theta, horizon, self.info)
         trained.history = history

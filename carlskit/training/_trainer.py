@@ -18,7 +18,7 @@ import optax
 from flax import nnx
 
 from carlskit.training._checkpoint import CheckpointStore
-from carlskit.training._live import LivePlot, in_notebook
+from carlskit.widgets import LivePlot, in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
 
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]

@@ -214,3 +214,21 @@ def test_cluster_status_without_cluster_or_front_end():
     assert "no cluster" in status._repr_html_()
     with pytest.raises(TypeError, match="client"):
         ClusterStatus(client="tcp://nowhere")
+
+
+def test_live_plot_updates_in_place_from_another_thread_and_rate_limits():
+    import threading
+
+    from carlskit.widgets import LivePlot, in_notebook
+
+    assert not in_notebook()
+    plot = LivePlot("history", every_seconds=3600)
+    steps = np.arange(20)
+    thread = threading.Thread(target=plot.update, args=({"loss": (steps, np.exp(-steps / 5))},))
+    thread.start()
+    thread.join()
+    first = bytes(plot.widget.value)
+    assert first.startswith(b"\x89PNG") and plot.renders == 1
+    assert not plot.update({"loss": (steps, steps)}), "within every_seconds: no render"
+    assert plot.update({"loss": (steps, steps), "staleness": (steps, steps % 5)}, force=True)
+    assert bytes(plot.widget.value) != first and plot.renders == 2

@@ -1,9 +1,6 @@
-"""The trainer's live loss plot: an ipywidgets Image re-rendered off-screen, set from any thread.
-
-Rendering and smoothing are the widgets package's (:mod:`carlskit.widgets`); this class only holds
-the trainer's in-memory history. A trainer that logs to a ``SummaryWriter`` shows
-:class:`carlskit.widgets.LiveSummaries` instead.
-"""
+"""``LivePlot``: curves from an in-memory history (the trainer's losses, meta-training's outer loss),
+an ipywidgets Image re-rendered off-screen and set from any thread. For summaries on disk use
+:class:`carlskit.widgets.LiveSummaries`."""
 
 from __future__ import annotations
 
