@@ -64,7 +64,8 @@ class NeighborMaker:
 
     Reads the items' embeddings from ``table``, asks ``bank.nearest`` for ``k`` neighbours by
     ``metric`` excluding the item itself, and writes ``{"ids", "weights"}`` records to
-    ``records_table``. Weights are 1 for every neighbour found (-1 padding gets 0).
+    ``records_table``. Weights are 1 for every neighbour found (-1 padding gets 0). Until the
+    embeddings exist, the round is retried rather than counted.
     """
 
     def __init__(self, k: int, *, table: str = "emb", records_table: str = "nbrs", metric: str = "cosine"):
@@ -72,15 +73,16 @@ class NeighborMaker:
             raise ValueError(f"k must be >= 1, got {k}")
         self.k, self.table, self.records_table, self.metric = k, table, records_table, metric
 
-    def __call__(self, context: MakerContext) -> None:
+    def __call__(self, context: MakerContext) -> bool:
         bank: Any = context.bank
         embeddings, found = bank.lookup(self.table, context.items)
         items = context.items[found]
         if len(items) == 0:
-            return
+            return False  # no embeddings yet (the embedding maker has not written them): retry
         neighbors, _ = bank.nearest(self.table, embeddings[found], k=self.k, metric=self.metric, exclude=items)
         width = bank.tables[self.records_table]["schema"]["ids"][1]
         ids = np.full((len(items), width), -1, np.int64)
         ids[:, : self.k] = neighbors
         weights = (ids >= 0).astype(np.float32)
         bank.update(self.records_table, items, {"ids": ids, "weights": weights}, version=context.version)
+        return True

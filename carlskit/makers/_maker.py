@@ -80,7 +80,9 @@ def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path
             checkpoint, metadata = store.load(latest)
         except FileNotFoundError:  # pruned between latest() and load(): take the next one
             continue
-        fn(MakerContext(items, latest, checkpoint, metadata, bank, slice_index))
+        if fn(MakerContext(items, latest, checkpoint, metadata, bank, slice_index)) is False:
+            time.sleep(poll_seconds)  # its inputs are not in the bank yet: retry this version
+            continue
         seconds = time.perf_counter() - start
         current, rounds = latest, rounds + 1
         _report(topic, {"slice": slice_index, "version": latest, "items": len(items),
@@ -107,7 +109,8 @@ class Maker:
     Args:
       fn: ``fn(context: MakerContext)``; computes knowledge for ``context.items`` from
         ``context.checkpoint`` (leaves by path) and writes it with
-        ``context.bank.update(..., version=context.version)``.
+        ``context.bank.update(..., version=context.version)``. Returning ``False`` says its inputs
+        are not ready yet (e.g. embeddings another maker writes): the round is retried.
       items: the item keys this maker is responsible for (split into ``num_slices`` slices).
       num_slices: parallel slices (one Dask task or thread each).
       name: shown in status and events.

@@ -113,3 +113,26 @@ def test_killing_a_makers_worker_mid_run(tmp_path):
         bank.close()
     finally:
         client.close()
+
+
+def test_a_round_whose_inputs_are_missing_is_retried_not_counted(tmp_path):
+    bank = KnowledgeBank()
+    bank.create_table("emb", dim=4, initializer="zeros")
+    store = CheckpointStore(tmp_path)
+    ready = []
+
+    def needs_input(context):
+        if not ready:
+            return False
+        write_version(context)
+
+    store.save({"w": np.float32(2)}, version=1)
+    maker = Maker(needs_input, np.arange(8), poll_seconds=0.01).start(store, bank)
+    try:
+        time.sleep(0.3)
+        assert maker.status()["slices"][0]["version"] is None, "not ready: no round counted"
+        ready.append(True)
+        maker.wait_for_version(1, timeout=30)
+        assert (bank_versions(bank, np.arange(8)) == 1).all()
+    finally:
+        maker.stop()
