@@ -27,7 +27,7 @@ lab: $(STAMP)
 
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
 test: $(STAMP)
-	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=600 -p no:cacheprovider -rfE --durations=15
+	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=300 -p no:cacheprovider -rfE --durations=15
 
 # The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).
 # Without /usr/bin/chromium that one test is skipped locally; .ci/run installs it.

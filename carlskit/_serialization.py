@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 import fsspec
+import fsspec.implementations.local
 import jax
 import numpy as np
 
@@ -24,13 +25,17 @@ def filesystem(path: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]
 
 
 def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary sibling and a rename."""
+    """Write ``data`` to ``path`` via a temporary sibling and a rename (fsync'd on local disks)."""
     directory, name = path.rsplit("/", 1) if "/" in path else ("", path)
     temporary = f"{directory}/.tmp-{uuid.uuid4().hex}-{name}" if directory else f".tmp-{uuid.uuid4().hex}-{name}"
-    with fs.open(temporary, "wb") as handle:
-        handle.write(data)
+    local = isinstance(fs, fsspec.implementations.local.LocalFileSystem)
     try:
-        if getattr(fs, "protocol", None) in ("file", ("file", "local")) or fs.__class__.__name__ == "LocalFileSystem":
+        with fs.open(temporary, "wb") as handle:
+            handle.write(data)
+            if local:  # on disk before the rename publishes it
+                handle.flush()
+                os.fsync(handle.fileno())
+        if local:
             os.replace(temporary, path)  # atomic on POSIX
         else:
             fs.mv(temporary, path)

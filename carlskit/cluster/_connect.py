@@ -33,7 +33,12 @@ def _default_client() -> Client | None:
 
 
 def _timeout_seconds(timeout: float | str) -> float:
-    seconds = dask.utils.parse_timedelta(timeout, default="seconds")
+    if isinstance(timeout, bool):
+        raise ValueError(f"timeout must be a positive duration, got {timeout!r}")
+    try:
+        seconds = dask.utils.parse_timedelta(timeout, default="seconds")
+    except (KeyError, ValueError, TypeError) as error:
+        raise ValueError(f"timeout must be seconds or a duration like '30s', got {timeout!r}") from error
     if seconds is None or seconds <= 0:
         raise ValueError(f"timeout must be a positive duration, got {timeout!r}")
     return float(seconds)
@@ -85,7 +90,10 @@ def connect(
     if n_workers is not None and (not isinstance(n_workers, int) or n_workers < 0):
         raise ValueError(f"n_workers must be a non-negative int, got {n_workers!r}")
     timeout_seconds = _timeout_seconds(timeout)
-    environment = worker_environment(threads_per_worker, platform)
+    try:
+        environment = worker_environment(threads_per_worker, platform)
+    except ValueError as error:
+        raise ValueError(str(error).replace("threads ", "threads_per_worker ", 1)) from error
 
     if address is None and scheduler_file is None:
         existing = _default_client()
@@ -118,7 +126,13 @@ def connect(
             timeout=timeout_seconds,
             environment=environment,
         )
-    client.register_plugin(JaxWorkerSetup(environment), name=JaxWorkerSetup.name)
+    if scheduler_file is None and address is None and not processes:
+        return client  # workers are threads of this process: its environment is the user's own
+    try:
+        client.register_plugin(JaxWorkerSetup(environment), name=JaxWorkerSetup.name)
+    except BaseException:
+        client.close()
+        raise
     return client
 
 
@@ -165,7 +179,7 @@ def _start_local_cluster(*, environment: dict[str, str], timeout: float, **clust
         # Workers of an embedded cluster are reachable from here: actor calls (bank shards) go
         # straight to them instead of through the scheduler, one network hop less per call.
         return EmbeddedClient(
-            cluster, security=cluster_kwargs["security"], timeout=timeout, set_as_default=True,
+            cluster, security=cluster.security, timeout=timeout, set_as_default=True,
             direct_to_workers=True,
         )
     except BaseException:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +29,19 @@ class EmbeddingMaker:
         self.batch_size = batch_size
         self._model = None
         self._encode = None
+        self._lock = threading.Lock()
 
     def __getstate__(self):
-        return {**self.__dict__, "_model": None, "_encode": None}
+        return {**self.__dict__, "_model": None, "_encode": None, "_lock": None}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _lock=threading.Lock())
 
     def __call__(self, context: MakerContext) -> None:
+        with self._lock:  # slices running as threads share this object and its model copy
+            self._encode_items(context)
+
+    def _encode_items(self, context: MakerContext) -> None:
         if self._model is None:
             self._model = self.model_factory()
             graphdef = nnx.graphdef(self._model)

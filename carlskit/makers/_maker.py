@@ -153,6 +153,9 @@ class Maker:
         """Start every slice; returns self. ``client=None`` runs slices in threads here."""
         if self._supervisor is not None:
             raise RuntimeError(f"maker {self.name!r} is already running")
+        if not isinstance(checkpoints, CheckpointStore):
+            raise TypeError(f"checkpoints must be a CheckpointStore, got {type(checkpoints).__name__}")
+        self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"  # this run's events only
         self._store, self._bank, self._client = checkpoints, bank, client
         self._started = time.time()
         if client is None:

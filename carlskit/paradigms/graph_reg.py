@@ -147,8 +147,17 @@ def train(data: Dataset, config: GraphRegConfig, *, regularize: bool, seed: int 
         trainer.fit(batches(data, features, config, seed, 0.0), config.steps, progress=progress, live=False)
         return _result(trainer, data, features, started, {})
 
-    workdir = workdir or tempfile.mkdtemp(prefix="carlskit-graph-reg-")
-    bank = KnowledgeBank(client=client, num_shards=num_shards)
+    with tempfile.TemporaryDirectory(prefix="carlskit-graph-reg-") as scratch:
+        bank = KnowledgeBank(client=client, num_shards=num_shards)
+        try:
+            return _train_with_bank(data, config, model, optimizer, loss, make_model, features, bank,
+                                    client, num_shards, workdir or scratch, progress, started, seed)
+        finally:
+            bank.close()
+
+
+def _train_with_bank(data, config, model, optimizer, loss, make_model, features, bank, client,
+                     num_shards, workdir, progress, started, seed) -> dict:
     width = config.neighbors
     bank.create_table("emb", dim=data.num_classes, initializer="zeros")
     bank.create_feature_table("nbrs", schema={"ids": ("int64", width), "weights": ("float32", width)})
@@ -186,7 +195,6 @@ def train(data: Dataset, config: GraphRegConfig, *, regularize: bool, seed: int 
     staleness = [r["staleness"] for r in trainer.history if "staleness" in r and np.isfinite(r["staleness"])]
     extra = {"maker_status": [m.status() for m in makers], "mean_staleness": float(np.mean(staleness)) if staleness else None,
              "missing_neighbors": int(trainer.knowledge.missing_total)}
-    bank.close()
     return _result(trainer, data, features, started, extra)
 
 

@@ -14,6 +14,7 @@ import re
 import time
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from carlskit._serialization import (
@@ -123,6 +124,9 @@ class CheckpointStore:
         manifest = self.manifest(version)
         with self._fs.open(self._file(version, "npz"), "rb") as handle:
             arrays = npz_bytes_to_arrays(handle.read())
+        for name, (dtype, _) in manifest["leaves"].items():
+            if arrays[name].dtype.kind == "V":  # bfloat16 & co. are written as raw bytes by np.savez
+                arrays[name] = arrays[name].view(jnp.dtype(dtype))
         tree = arrays if target is None else unflatten_into(target, arrays, manifest["key_impls"])
         return tree, {**manifest["metadata"], "version": version, "wall_time": manifest["wall_time"],
                       "key_impls": manifest["key_impls"]}

@@ -7,12 +7,14 @@ the latest one. The step itself is one pure jitted function of the model and opt
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -93,7 +95,13 @@ class Trainer:
         self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
         self.loss_fn = loss_fn
         self.knowledge = knowledge
-        self.checkpoints = CheckpointStore(checkpoints) if isinstance(checkpoints, str) else checkpoints
+        if isinstance(checkpoints, (str, os.PathLike)):
+            checkpoints = CheckpointStore(checkpoints)
+        if checkpoints is not None and not isinstance(checkpoints, CheckpointStore):
+            raise TypeError(f"checkpoints must be a CheckpointStore, a path or None, got {type(checkpoints).__name__}")
+        if not isinstance(prefetch, int) or prefetch < 1:
+            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.summaries = summaries
         self.prefetch = prefetch
@@ -121,8 +129,8 @@ class Trainer:
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
-        with self._lock:
-            nnx.update((self.model, self.optimizer), self._state)
+        with self._lock:  # copies: the next step donates (deletes) the arrays of self._state
+            nnx.update((self.model, self.optimizer), jax.tree.map(jnp.copy, self._state))
 
     def checkpoint_tree(self) -> dict:
         return {"model": self._state[0], "optimizer": self._state[1]}
@@ -160,6 +168,7 @@ class Trainer:
         Shows a tqdm progress bar and, in a notebook (``live=None``), a live loss plot. With
         ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
         Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
+        Batches the pipeline prefetched but training did not reach are dropped at the end of a fit.
         """
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")

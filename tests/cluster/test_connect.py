@@ -48,9 +48,11 @@ def test_embedded_cluster_is_started_once_and_configures_workers():
     assert distributed.client._get_global_client() is None
 
 
-def test_in_process_cluster():
-    client = carlskit.connect(n_workers=1, processes=False)
+def test_in_process_cluster_leaves_the_notebook_environment_alone(monkeypatch):
+    monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+    client = carlskit.connect(n_workers=1, processes=False, platform="cpu")
     try:
+        assert "JAX_PLATFORMS" not in os.environ
         assert client.submit(sum, [1, 2, 3]).result() == 6
         assert client.scheduler.address.startswith("inproc://")
     finally:
@@ -169,3 +171,7 @@ def test_bad_arguments_are_named():
         carlskit.connect(scheduler_file="/nonexistent/scheduler.json")
     with pytest.raises(ValueError, match="n_workers"):
         carlskit.connect(n_workers=-1)
+    with pytest.raises(ValueError, match="timeout"):
+        carlskit.connect("tcp://127.0.0.1:9", timeout="soon")
+    with pytest.raises(ValueError, match="threads_per_worker"):
+        carlskit.connect(threads_per_worker=0)

@@ -70,3 +70,14 @@ def test_a_checkpoint_without_its_manifest_does_not_exist(tmp_path):
     (tmp_path / f"v{2:012d}.npz").write_bytes(b"half-written")  # a writer died before its manifest
     assert store.versions() == [1]
     assert not any(p.name.startswith(".tmp") for p in tmp_path.iterdir())
+
+
+def test_bfloat16_leaves_round_trip(tmp_path):
+    store = CheckpointStore(tmp_path)
+    tree = {"w": jnp.arange(6, dtype=jnp.bfloat16).reshape(2, 3) / 3}
+    store.save(tree, version=1)
+    loaded, _ = store.load(1, target=tree)
+    assert loaded["w"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(loaded["w"]), np.asarray(tree["w"]))
+    flat, _ = store.load(1)
+    assert flat["['w']"].dtype == jnp.bfloat16

@@ -129,3 +129,14 @@ def test_trainer_logs_every_step_to_summaries(tmp_path):
     frame = SummaryReader(tmp_path / "logs").scalars("train/loss")
     assert list(frame["step"]) == list(range(1, 8))
     np.testing.assert_allclose(frame["value"], [r["loss"] for r in history], rtol=1e-6)
+
+
+def test_the_model_stays_usable_while_training_runs_in_the_background(tmp_path):
+    trainer = Trainer(Linear(), optax.sgd(0.01), mse, checkpoints=tmp_path / "ckpt")  # a Path works too
+    handle = trainer.fit(data, 200, block=False, progress=False)
+    for _ in range(20):  # evaluate reads synced copies, never arrays a step has donated
+        predictions = trainer.evaluate(lambda model: model(jnp.ones((2, 4))))
+        assert np.isfinite(np.asarray(predictions)).all()
+    handle.wait()
+    with pytest.raises(ValueError, match="prefetch"):
+        Trainer(Linear(), optax.sgd(0.1), mse, prefetch=0)
