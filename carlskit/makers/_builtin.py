@@ -1,4 +1,4 @@
-"""Built-in knowledge makers: embeddings from the latest model, and a learned neighbour graph."""
+"""Built-in knowledge makers: embeddings and mined labels from the latest model, a learned neighbour graph."""
 
 from __future__ import annotations
 
@@ -42,6 +42,12 @@ class EmbeddingMaker:
             self._encode_items(context)
 
     def _encode_items(self, context: MakerContext) -> None:
+        for table, values in self._encode_all(context).items():
+            context.bank.update(table, context.items, values.astype(np.float32), version=context.version)
+
+    def _encode_all(self, context: MakerContext) -> dict[str, np.ndarray]:
+        """Restore the checkpoint into this maker's model copy and encode every item, in batches;
+        returns ``{name: [n, ...]}`` (one array from ``encode`` is named ``self.table``)."""
         if self._model is None:
             self._model = self.model_factory()
             graphdef = nnx.graphdef(self._model)
@@ -62,10 +68,41 @@ class EmbeddingMaker:
             encoded = self._encode(state, self.features[items])
             if not isinstance(encoded, dict):
                 encoded = {self.table: encoded}
-            for table, values in encoded.items():
-                outputs.setdefault(table, []).append(np.asarray(values, dtype=np.float32))
-        for table, parts in outputs.items():
-            context.bank.update(table, context.items, np.concatenate(parts), version=context.version)
+            for name, values in encoded.items():
+                outputs.setdefault(name, []).append(np.asarray(values))
+        return {name: np.concatenate(parts) for name, parts in outputs.items()}
+
+
+def predict_labels(model: nnx.Module, features: Any) -> dict[str, Any]:
+    """Dropout-free class distribution p = softmax(model(x, deterministic=True)); returns the mined
+    ``label`` = argmax_c p_c and its ``confidence`` = max_c p_c (CARLS section 4.2.1)."""
+    import jax
+    import jax.numpy as jnp
+
+    probabilities = jax.nn.softmax(model(features, deterministic=True), axis=-1)
+    return {"label": jnp.argmax(probabilities, axis=-1), "confidence": jnp.max(probabilities, axis=-1)}
+
+
+class LabelMaker(EmbeddingMaker):
+    """Mine a label and its confidence for every item from the latest checkpoint (CARLS 4.2.1).
+
+    ``model_factory()`` builds a classifier called as ``model(features, deterministic=True) ->
+    logits [n, classes]``. Each round writes ``{"label": int64 [1], "confidence": float32 [1]}``
+    records (``label = argmax softmax``, ``confidence = max softmax``, in [0, 1]) to the feature
+    table ``table`` with the checkpoint's version; create it with ``LabelMaker.SCHEMA``.
+    """
+
+    SCHEMA = {"label": ("int64", 1), "confidence": ("float32", 1)}
+
+    def __init__(self, model_factory: Callable[[], nnx.Module], features: np.ndarray, *,
+                 table: str = "labels", batch_size: int = 1024):
+        super().__init__(model_factory, predict_labels, features, table=table, batch_size=batch_size)
+
+    def _encode_items(self, context: MakerContext) -> None:
+        mined = self._encode_all(context)
+        records = {"label": mined["label"].astype(np.int64)[:, None],
+                   "confidence": np.clip(mined["confidence"].astype(np.float32), 0.0, 1.0)[:, None]}
+        context.bank.update(self.table, context.items, records, version=context.version)
 
 
 class NeighborMaker:

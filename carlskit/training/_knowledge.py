@@ -83,3 +83,37 @@ class NeighborKnowledge:
             "_missing_neighbors": missing,
             "_embedding_version": version,
         }
+
+
+class MinedLabels:
+    """Add each item's mined label and confidence from the bank to a batch (CARLS 4.2.1).
+
+    For ``batch[key]`` (item ids [B]) it looks up the label maker's records in ``table`` (fields
+    ``label`` [1] int64 and ``confidence`` [1] float32) in one batched call and adds
+    ``mined_labels`` [B] int32 and ``mined_confidence`` [B] float32 (items the maker has not labelled
+    yet get label 0 with confidence 0, so no threshold in (0, 1] selects them), and
+    ``_mined_version``: the mean model version of the labels read (NaN when none exists yet).
+    """
+
+    def __init__(self, bank: Any, table: str = "labels", key: str = "ids"):
+        tables = bank.tables
+        if table not in tables:
+            raise ValueError(f"the bank has no table {table!r} (tables: {sorted(tables)})")
+        schema = tables[table].get("schema") or {}
+        if set(schema) != {"label", "confidence"}:
+            raise ValueError(f"table {table!r} must be a feature table with fields label and confidence, "
+                             f"got {sorted(schema)}")
+        self.bank, self.table, self.key = bank, table, key
+
+    def __call__(self, batch: Batch) -> Batch:
+        ids = np.asarray(batch[self.key], dtype=np.int64)
+        records, found = self.bank.lookup(self.table, ids)
+        version = np.nan
+        if found.any():
+            version = float(np.mean(self.bank.row_metadata(self.table, ids[found])["version"]))
+        return {
+            **batch,
+            "mined_labels": np.where(found, np.maximum(records["label"][:, 0], 0), 0).astype(np.int32),
+            "mined_confidence": np.where(found, records["confidence"][:, 0], 0.0).astype(np.float32),
+            "_mined_version": version,
+        }

@@ -50,3 +50,18 @@ def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) 
     losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), safe_labels[:, None], axis=-1)[:, 0]
     mask = mask.astype(logits.dtype)
     return jnp.sum(losses * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def select_mined_labels(given: jax.Array, mined: jax.Array, confidence: jax.Array,
+                        threshold: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Training targets of online label mining (CARLS section 4.2.1).
+
+    target_i = mined_i if confidence_i > threshold else given_i; also returns the boolean mask of
+    items whose mined label was used. ``threshold`` is a scalar array (a schedule value fed per
+    batch, so changing it never recompiles).
+    """
+    if given.shape != mined.shape or given.shape != confidence.shape or jnp.ndim(threshold) != 0:
+        raise ValueError(f"expected given, mined and confidence [B] and a scalar threshold; got {given.shape}, "
+                         f"{mined.shape}, {confidence.shape}, {jnp.shape(threshold)}")
+    use_mined = confidence > threshold
+    return jnp.where(use_mined, mined, given), use_mined
