@@ -54,7 +54,7 @@ class LabelMiningConfig:
     dropout: float = 0.2
     learning_rate: float = 0.01
     weight_decay: float = 5e-4
-    steps: int = 1000  # long enough for the noisy-only model to start memorising the noise
+    steps: int = 1500  # long enough for the noisy-only model to start memorising the noise
     batch_size: int = 256
     warmup_steps: int = 50
     threshold_start: float = 0.5  # rising: permissive while predictions still ignore the noise,
