@@ -21,6 +21,7 @@ _EXPORTS = {
     "Maker": "carlskit.makers",
     "EmbeddingMaker": "carlskit.makers",
     "NeighborMaker": "carlskit.makers",
+    "LabelMaker": "carlskit.makers",
     "MoEModel": "carlskit.moe",
     "LearnedOptimizer": "carlskit.lopt",
     "SummaryWriter": "carlskit.summaries",
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit.bank import KnowledgeBank
     from carlskit.cluster import connect, devices
     from carlskit.lopt import LearnedOptimizer
-    from carlskit.makers import EmbeddingMaker, Maker, NeighborMaker
+    from carlskit.makers import EmbeddingMaker, LabelMaker, Maker, NeighborMaker
     from carlskit.moe import MoEModel
     from carlskit.summaries import SummaryReader, SummaryWriter
     from carlskit.training import CheckpointStore, Trainer
