@@ -24,3 +24,12 @@ def wait_for_no_children(before: set[int], seconds: float = 20.0) -> list[psutil
         if not alive or time.monotonic() > deadline:
             return alive
         time.sleep(0.2)
+
+
+def wait_until(condition, seconds: float = 60.0, every: float = 0.05) -> None:
+    """Poll ``condition()`` until true; fail the test after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(every)

@@ -452,10 +452,10 @@ class FeatureTable(RowStore):
             column[rows] = _fill_value(column.dtype)
 
     def maintain(self, now: float) -> None:
-        pass
+        """Feature tables cache no gradients: there is nothing to flush on a ttl."""
 
     def flush_all(self, now: float) -> None:
-        pass
+        """Feature tables cache no gradients: there is nothing to apply."""
 
     def lookup(self, keys: np.ndarray, insert_missing: bool, now: float):
         rows, found = self.rows_of(keys, insert_missing, now)

@@ -11,6 +11,7 @@ on another worker.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import threading
@@ -62,12 +63,12 @@ _LOCAL_EVENTS: dict[str, list] = {}
 def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path: str, bank: Any,
                     stop: Any, topic: str, poll_seconds: float, max_rounds: int | None) -> int:
     """The loop one slice runs (on a worker or a thread) until ``stop`` is set; returns rounds run."""
-    try:  # free the worker's thread slot: this task runs for as long as training does
-        from distributed import secede
+    from distributed import secede
 
+    # Free the worker's thread slot: this task runs for as long as training does. In thread mode
+    # (no worker) there is no slot to free.
+    with contextlib.suppress(ValueError, KeyError):
         secede()
-    except (ValueError, ImportError, KeyError):
-        pass
     store = CheckpointStore(store_path, keep=None)
     current, rounds = None, 0
     while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
@@ -261,10 +262,8 @@ class Maker:
             if self._client is None:
                 running[0].join(max(deadline - time.monotonic(), 0.1))
             else:
-                try:
+                with contextlib.suppress(Exception):  # errors were reported by the supervisor
                     running.result(timeout=max(deadline - time.monotonic(), 0.1))
-                except Exception:  # errors were reported by the supervisor
-                    pass
         self._running.clear()
         self._supervisor = None
 

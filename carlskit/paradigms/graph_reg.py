@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +34,7 @@ from flax import nnx
 from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, load_digits, load_planetoid, neighbors_from_edges
 from carlskit.makers import EmbeddingMaker, Maker, NeighborMaker
+from carlskit.paradigms._cli import run_and_print
 from carlskit.training import (
     CheckpointStore,
     NeighborKnowledge,
@@ -238,19 +238,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = DIGITS_CONFIG if data.edges is None else GraphRegConfig()
     config = replace(config, **({"neighbors": args.neighbors} if args.neighbors else {}),
                      **({"steps": args.steps} if args.steps else {}))
-    client = None
-    if args.workers > 0:
-        from carlskit.cluster import connect
-
-        client = connect(n_workers=args.workers)
-    try:
-        result = compare(data, config, seed=args.seed, client=client, num_shards=max(1, args.workers),
-                         progress=args.progress)
-    finally:
-        if client is not None:
-            client.close()
-    print(json.dumps(result))
-    return result
+    return run_and_print(args.workers, lambda client, num_shards: compare(
+        data, config, seed=args.seed, client=client, num_shards=num_shards, progress=args.progress))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
@@ -42,6 +41,7 @@ from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, load_digits
 from carlskit.makers import LabelMaker, Maker
 from carlskit.paradigms.graph_reg import MLP, accuracy
+from carlskit.paradigms._cli import run_and_print
 from carlskit.training import CheckpointStore, MinedLabels, Trainer, masked_cross_entropy, select_mined_labels
 
 
@@ -194,19 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
     config = LabelMiningConfig()
     if args.steps:
         config = replace(config, steps=args.steps, warmup_steps=min(config.warmup_steps, args.steps // 3))
-    client = None
-    if args.workers > 0:
-        from carlskit.cluster import connect
-
-        client = connect(n_workers=args.workers)
-    try:
-        result = compare(config, seed=args.seed, client=client, num_shards=max(1, args.workers),
-                         progress=args.progress)
-    finally:
-        if client is not None:
-            client.close()
-    print(json.dumps(result))
-    return result
+    return run_and_print(args.workers, lambda client, num_shards: compare(
+        config, seed=args.seed, client=client, num_shards=num_shards, progress=args.progress))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and keep subsampled copies for fast plotting.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import contextvars
 import math
 import os
@@ -60,10 +61,8 @@ _open_writers: weakref.WeakSet = weakref.WeakSet()
 @atexit.register
 def _flush_open_writers() -> None:
     for writer in list(_open_writers):
-        try:
+        with contextlib.suppress(Exception):  # interpreter shutdown: best effort only
             writer.close()
-        except Exception:  # interpreter shutdown: best effort only
-            pass
 
 
 def _check_rate(sample_rate: float, argument: str = "sample_rate") -> float:

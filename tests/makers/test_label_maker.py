@@ -10,14 +10,7 @@ from carlskit.bank import KnowledgeBank
 from carlskit.makers import LabelMaker, Maker
 from carlskit.paradigms.graph_reg import MLP
 from carlskit.training import CheckpointStore, MinedLabels, Trainer, masked_cross_entropy
-
-
-def wait_until(condition, seconds=60.0, every=0.05):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(every)
+from process_helpers import wait_until
 
 
 def loss(model, batch):

@@ -11,6 +11,7 @@ import carlskit
 from carlskit.bank import KnowledgeBank
 from carlskit.makers import Maker
 from carlskit.training import CheckpointStore
+from process_helpers import wait_until
 
 
 def write_version(context):
@@ -18,14 +19,6 @@ def write_version(context):
     value = float(context.checkpoint["['w']"])
     rows = np.full((len(context.items), 4), value, np.float32)
     context.bank.update("emb", context.items, rows, version=context.version)
-
-
-def wait_until(condition, seconds=60.0, every=0.05):
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(every)
 
 
 def bank_versions(bank, items):
