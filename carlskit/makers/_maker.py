@@ -142,6 +142,7 @@ class Maker:
         self._store: CheckpointStore | None = None
         self._stop = None
         self._running: dict[int, Any] = {}
+        self._fn_ref: Any = None  # fn, or its Future on the cluster while running
         self._supervisor: threading.Thread | None = None
         self._started = 0.0
 
@@ -166,6 +167,8 @@ class Maker:
 
             self._stop = Event(f"{self._topic}-stop", client=client)
             self._stop.clear()
+        # Ship fn (and the features it may hold) to the cluster once, not with every slice and restart.
+        self._fn_ref = self.fn if client is None else client.scatter(self.fn, hash=False)
         for index in range(self.num_slices):
             self._launch(index)
         self._supervisor = threading.Thread(target=self._supervise, name=f"maker-{self.name}", daemon=True)
@@ -173,7 +176,7 @@ class Maker:
         return self
 
     def _launch(self, index: int) -> None:
-        arguments = (self.fn, self.slices[index], index, self._store.path, self._bank, self._stop,
+        arguments = (self._fn_ref, self.slices[index], index, self._store.path, self._bank, self._stop,
                      self._topic, self.poll_seconds, None)
         if self._client is None:
             result: dict = {}
@@ -266,6 +269,7 @@ class Maker:
                     running.result(timeout=max(deadline - time.monotonic(), 0.1))
         self._running.clear()
         self._supervisor = None
+        self._fn_ref = None
 
     # -- status ----------------------------------------------------------------------------------
     def events(self) -> list[dict]:
