@@ -14,7 +14,6 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -111,7 +110,9 @@ class Trainer:
         self._mesh = _data_mesh()
         if self._mesh is not None:
             self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
-        self._train_step = jax.jit(self._make_step(), donate_argnums=0)
+        # No buffer donation: the model the user holds (and evaluates while training runs in the
+        # background) shares arrays with the training state, and donated arrays are deleted.
+        self._train_step = jax.jit(self._make_step())
         self._lock = threading.Lock()
         self.restore()
 
@@ -129,8 +130,8 @@ class Trainer:
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
-        with self._lock:  # copies: the next step donates (deletes) the arrays of self._state
-            nnx.update((self.model, self.optimizer), jax.tree.map(jnp.copy, self._state))
+        with self._lock:
+            nnx.update((self.model, self.optimizer), self._state)
 
     def checkpoint_tree(self) -> dict:
         return {"model": self._state[0], "optimizer": self._state[1]}
