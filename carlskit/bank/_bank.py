@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -145,6 +146,66 @@ def _write_snapshot_atomically(path: Path, write: Callable[[Path], None]) -> Non
         raise
 
 
+def _detached(array: np.ndarray, copy: bool) -> np.ndarray:
+    """``array``, copied when ``copy``: an asynchronous call must not see the caller's later
+    writes to a buffer it passed in (Dask serializes the arguments after the call returns)."""
+    return array.copy() if copy else array
+
+
+def _merge_lookups(config: dict[str, Any], n: int, routes: list[tuple[int, np.ndarray | None]],
+                   results: dict[int, Any]):
+    """Per-shard lookup results back in the caller's key order."""
+    if routes and routes[0][1] is None:
+        return results[routes[0][0]]
+    found = np.empty(n, dtype=bool)  # no routes (no keys, several shards): empty arrays
+    if config["kind"] == "embedding":
+        values = np.empty((n, config["dim"]), np.float32)
+        for s, pos in routes:
+            values[pos], found[pos] = results[s]
+        return values, found
+    values = {field: np.empty((n, width), np.dtype(dtype))
+              for field, (dtype, width) in config["schema"].items()}
+    for s, pos in routes:
+        shard_values, found[pos] = results[s]
+        for field in values:
+            values[field][pos] = shard_values[field]
+    return values, found
+
+
+class BankFuture:
+    """A bank call in flight (:meth:`KnowledgeBank.lookup_async`,
+    :meth:`KnowledgeBank.apply_gradients_async`): one call per shard already sent.
+
+    ``result()`` waits for every shard and returns what the blocking method returns (raising its
+    errors, e.g. :class:`ShardLostError`); later calls return the same object. ``done()`` says
+    whether every shard has answered, without waiting.
+    """
+
+    def __init__(self, bank: "KnowledgeBank", pending: dict[int, Any],
+                 finish: Callable[[dict[int, Any]], Any]) -> None:
+        self._bank = bank
+        self._pending: dict[int, Any] | None = pending
+        self._finish = finish
+        self._value: Any = None
+        self._lock = threading.Lock()
+
+    def done(self) -> bool:
+        pending = self._pending
+        if pending is None or not self._bank.distributed:
+            return True
+        return all(future.done() for future in pending.values())
+
+    def result(self) -> Any:
+        with self._lock:
+            if self._pending is not None:
+                self._value = self._finish(self._bank._collect(self._pending))
+                self._pending = None
+            return self._value
+
+    def __repr__(self) -> str:
+        return f"<BankFuture: {'done' if self.done() else 'pending'}>"
+
+
 class KnowledgeBank:
     """A sharded store of embeddings and feature records shared by trainers and makers.
 
@@ -180,8 +241,8 @@ class KnowledgeBank:
                 raise ValueError("client has no workers to host the bank's shards")
             self._shard_workers = [workers[i % len(workers)] for i in range(num_shards)]
             self._shard_futures = [
-                client.submit(_Shard, i, num_shards, clock, actor=True, workers=[worker],
-                              allow_other_workers=False, pure=False)
+                client.submit(_Shard, i, num_shards, clock, worker_process=True, actor=True,
+                              workers=[worker], allow_other_workers=False, pure=False)
                 for i, worker in enumerate(self._shard_workers)
             ]
             self._shards = [future.result() for future in self._shard_futures]
@@ -207,8 +268,9 @@ class KnowledgeBank:
             f"{error}); its rows are lost: restore the bank with KnowledgeBank.load(<last "
             f"snapshot>, client)")
 
-    def _call(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
-        """One call per shard in ``calls`` ({shard: args}); distributed calls run concurrently."""
+    def _submit(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
+        """Issue one call per shard in ``calls`` ({shard: args}) without waiting. Distributed: the
+        Dask actor futures ({shard: future}); in-process: the results, computed at once."""
         if not self._remote:
             return {i: getattr(self._shards[i], method)(*args) for i, args in calls.items()}
         futures = {}
@@ -218,8 +280,15 @@ class KnowledgeBank:
                 futures[i] = getattr(self._shards[i], method)(*args, **options)
             except (OSError, RuntimeError, KeyError) as error:
                 raise self._lost(i, error) from error
+        return futures
+
+    def _collect(self, pending: dict[int, Any]) -> dict[int, Any]:
+        """Wait for the calls issued by :meth:`_submit`; {shard: result}. A failed shard raises
+        its own error, or ShardLostError naming it when its actor or worker is gone."""
+        if not self._remote:
+            return pending
         results = {}
-        for i, future in futures.items():
+        for i, future in pending.items():
             try:
                 results[i] = future.result()
             except (ValueError, TypeError) as error:
@@ -233,6 +302,10 @@ class KnowledgeBank:
                     raise self._lost(i, error) from error
                 raise
         return results
+
+    def _call(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
+        """One call per shard in ``calls`` ({shard: args}); distributed calls run concurrently."""
+        return self._collect(self._submit(method, calls))
 
     def ping(self) -> float:
         """Seconds for one round trip to every shard at once (raises ShardLostError naming a
@@ -250,6 +323,8 @@ class KnowledgeBank:
         if self.num_shards == 1:
             return [(0, None)]
         shard = shard_of(keys, self.num_shards)
+        if self.num_shards <= np.iinfo(np.uint16).max:
+            shard = shard.astype(np.uint16)  # numpy sorts 16-bit ints by radix sort: O(n)
         order = np.argsort(shard, kind="stable")
         bounds = np.searchsorted(shard[order], np.arange(self.num_shards + 1))
         return [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_shards)
@@ -357,26 +432,27 @@ class KnowledgeBank:
         ({field: [n, width]}, found) for feature tables. Flushes the keys' cached gradients first.
         Absent keys read as zeros (fill values) unless ``insert_missing`` inserts them with their
         initial value; ``found`` says whether each key existed before the call."""
+        return self._submit_lookup(table, keys, insert_missing, detach=False).result()
+
+    def lookup_async(self, table: str, keys: Any, insert_missing: bool = False) -> "BankFuture":
+        """:meth:`lookup` without waiting: the shard calls are sent now and ``.result()`` returns
+        what :meth:`lookup` returns. Keeping a few batches in flight hides the Dask round trip
+        (one call per shard per batch); bad input raises here, before anything is sent. The keys
+        are copied, so the caller may reuse its buffer at once. Calls in flight together may reach
+        a shard in any order; a lookup sees every write whose ``result()`` returned before it was
+        issued. In-process banks compute at once."""
+        return self._submit_lookup(table, keys, insert_missing, detach=True)
+
+    def _submit_lookup(self, table: str, keys: Any, insert_missing: bool,
+                       detach: bool) -> "BankFuture":
         config = self._config(table)
         keys = _as_keys(keys)
         routes = self._route(keys)
-        results = self._call("lookup", {s: (table, keys if pos is None else keys[pos],
-                                            bool(insert_missing)) for s, pos in routes})
-        if routes[0][1] is None:
-            return results[0]
-        found = np.empty(len(keys), dtype=bool)
-        if config["kind"] == "embedding":
-            values = np.empty((len(keys), config["dim"]), np.float32)
-            for s, pos in routes:
-                values[pos], found[pos] = results[s]
-            return values, found
-        values = {field: np.empty((len(keys), width), np.dtype(dtype))
-                  for field, (dtype, width) in config["schema"].items()}
-        for s, pos in routes:
-            shard_values, found[pos] = results[s]
-            for field in values:
-                values[field][pos] = shard_values[field]
-        return values, found
+        whole = _detached(keys, detach and self._remote)
+        pending = self._submit("lookup", {s: (table, whole if pos is None else keys[pos],
+                                              bool(insert_missing)) for s, pos in routes})
+        return BankFuture(self, pending, lambda results: _merge_lookups(config, len(keys), routes,
+                                                                         results))
 
     def update(self, table: str, keys: Any, values: Any, version: int = 0) -> None:
         """Write ``values`` ([n, dim] float, or {field: [n, width]}) for ``keys`` with the model
@@ -403,12 +479,25 @@ class KnowledgeBank:
         """Cache gradients ([n, dim]) for ``keys``; they are applied lazily (module docstring):
         averaged with NaN/Inf and outlier gradients dropped, then one optimizer step per key.
         Keys not yet present are inserted with their initial value."""
+        self._submit_gradients(table, keys, gradients, detach=False).result()
+
+    def apply_gradients_async(self, table: str, keys: Any, gradients: Any) -> "BankFuture":
+        """:meth:`apply_gradients` without waiting; ``.result()`` (None) waits for the shards and
+        raises their errors. Inputs are validated and copied before anything is sent; ordering
+        as in :meth:`lookup_async`."""
+        return self._submit_gradients(table, keys, gradients, detach=True)
+
+    def _submit_gradients(self, table: str, keys: Any, gradients: Any,
+                          detach: bool) -> "BankFuture":
         config = self._embedding_config(table, "apply_gradients")
         keys = _as_keys(keys)
         gradients = _as_matrix(gradients, len(keys), config["dim"], "gradients", finite=False)
         routes = self._route(keys)
-        self._call("apply_gradients", {s: (table, keys, gradients) if pos is None else
-                                       (table, keys[pos], gradients[pos]) for s, pos in routes})
+        detach = detach and self._remote
+        pending = self._submit("apply_gradients", {
+            s: (table, _detached(keys, detach), _detached(gradients, detach)) if pos is None else
+            (table, keys[pos], gradients[pos]) for s, pos in routes})
+        return BankFuture(self, pending, lambda results: None)
 
     def flush(self, table: str | None = None) -> None:
         """Apply every cached gradient now (of one table, or of all)."""

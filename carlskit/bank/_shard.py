@@ -7,6 +7,8 @@ Input is validated by the client before any shard is called; the shard trusts it
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import threading
 import time
 from typing import Any, Callable
@@ -16,9 +18,38 @@ import numpy as np
 from ._tables import EmbeddingTable, FeatureTable, RowStore
 
 
+#: glibc ``mallopt`` parameters and the values a shard's worker process gets (see below).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_BYTES = 32 << 20
+_TRIM_THRESHOLD_BYTES = 64 << 20
+
+
+def reuse_freed_batch_memory() -> bool:
+    """Let this process reuse freed memory for per-batch arrays instead of faulting in new pages.
+
+    Dask nannies start workers with ``MALLOC_TRIM_THRESHOLD_=65536``; setting it switches off
+    glibc's adaptive mmap threshold, so every array over 128 KiB (a 2048 x 64 float32 lookup result
+    is 512 KiB) is a fresh ``mmap``, page-faulted and zeroed by the kernel, then unmapped again:
+    measured 0.35 ms of a 0.8 ms shard lookup on a 1M-row shard. This sets the values glibc's
+    adaptive rule reaches in a plain process (mmap above 32 MiB, trim above 64 MiB of free heap
+    top); the lookup then takes 0.2 ms. Returns False where there is no glibc (nothing changed).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)) and bool(
+        mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD_BYTES))
+
+
 class _Shard:
     def __init__(self, shard_index: int, num_shards: int,
-                 clock: Callable[[], float] | None = None) -> None:
+                 clock: Callable[[], float] | None = None, *, worker_process: bool = False) -> None:
+        """``worker_process``: the shard is a Dask actor in a worker process of its own, whose
+        allocator is tuned for batch arrays (:func:`reuse_freed_batch_memory`)."""
+        if worker_process:
+            reuse_freed_batch_memory()
         self.shard_index = shard_index
         self.num_shards = num_shards
         self._clock = clock or time.time
