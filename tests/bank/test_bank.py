@@ -387,3 +387,22 @@ def test_bad_input_raises_and_changes_nothing(clock, bank_contents, assert_same_
     with pytest.raises(error, match=match):
         getattr(kb, method)(*args, **kwargs)
     assert_same_contents(before, bank_contents(kb))
+
+
+def test_async_calls_in_process_are_computed_at_once():
+    kb = KnowledgeBank(num_shards=3)
+    kb.create_table("emb", dim=4, learning_rate=1.0)
+    keys = np.arange(1, 50)
+    future = kb.apply_gradients_async("emb", keys, np.ones((49, 4)))
+    assert future.done() and future.result() is None
+    assert kb.stats()["tables"]["emb"]["pending_gradients"] == 49
+    lookup = kb.lookup_async("emb", keys)
+    assert lookup.done()
+    values, found = lookup.result()
+    expected = KnowledgeBank(num_shards=1)
+    expected.create_table("emb", dim=4)
+    np.testing.assert_allclose(values, expected.lookup("emb", keys, insert_missing=True)[0] - 1.0,
+                               rtol=1e-6)
+    assert found.all()
+    empty_values, empty_found = kb.lookup("emb", np.empty(0, np.int64))
+    assert empty_values.shape == (0, 4) and empty_found.shape == (0,)

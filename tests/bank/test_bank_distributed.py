@@ -186,3 +186,50 @@ def test_lost_shard_worker_is_named_and_snapshot_restores(client, tmp_path):
     restored = KnowledgeBank.load(tmp_path / "snap", client=client)  # on the workers alive now
     np.testing.assert_array_equal(restored.lookup("emb", keys)[0], expected)
     restored.close()
+
+
+def test_batches_in_flight_match_blocking_calls(client, bank_contents, assert_same_contents):
+    """lookup_async / apply_gradients_async with several batches in flight give what the blocking
+    calls give; the caller may overwrite its buffers at once; bad input raises before sending."""
+    remote, local = KnowledgeBank(client, num_shards=2), KnowledgeBank(num_shards=2)
+    rng = np.random.default_rng(5)
+    for kb in (remote, local):
+        kb.create_table("emb", dim=DIM, seed=1, learning_rate=0.5, max_pending=3)
+        kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
+    batches = [rng.integers(1, 300, 64) for _ in range(6)]
+    gradients = [rng.normal(size=(64, DIM)).astype(np.float32) for _ in range(6)]
+    buffer_keys, buffer_gradients = np.empty(64, np.int64), np.empty((64, DIM), np.float32)
+    pending = []
+    for keys, grads in zip(batches, gradients):
+        buffer_keys[:], buffer_gradients[:] = keys, grads
+        pending.append(remote.apply_gradients_async("emb", buffer_keys, buffer_gradients))
+        buffer_keys[:], buffer_gradients[:] = -7, np.nan  # reused before the call was sent
+        local.apply_gradients("emb", keys, grads)
+    assert all(future.result() is None for future in pending)
+    assert all(future.done() for future in pending)
+    remote.flush(), local.flush()  # in-flight writes may reach a shard in any order
+    in_flight = [remote.lookup_async("emb", keys) for keys in batches]
+    in_flight.append(remote.lookup_async("nbrs", batches[0], insert_missing=True))
+    for keys, future in zip(batches, in_flight):
+        values, found = future.result()
+        expected, expected_found = local.lookup("emb", keys)
+        np.testing.assert_array_equal(values, expected)
+        np.testing.assert_array_equal(found, expected_found)
+        assert future.result()[0] is values  # waited for once, then the same answer
+    records, found = in_flight[-1].result()
+    assert not found.any() and (records["ids"] == -1).all()
+    one_shard = KnowledgeBank(client, num_shards=1)
+    one_shard.create_table("emb", dim=DIM)
+    keys = np.arange(10, 20)
+    future = one_shard.lookup_async("emb", keys, insert_missing=True)
+    keys[:] = 99  # single shard: the call gets the keys without routing, so it needs its own copy
+    np.testing.assert_array_equal(future.result()[0], one_shard.lookup("emb", np.arange(10, 20))[0])
+    assert not one_shard.lookup("emb", [99])[1].any()
+    before = bank_contents(remote)
+    with pytest.raises(ValueError, match=r"gradients must have shape \[64, 8\]"):
+        remote.apply_gradients_async("emb", batches[0], np.ones((63, DIM)))
+    with pytest.raises(ValueError, match="-1"):
+        remote.lookup_async("emb", np.r_[batches[0], [-1]])
+    assert_same_contents(before, bank_contents(remote))
+    for kb in (remote, one_shard):
+        kb.close()
