@@ -434,7 +434,8 @@ class KnowledgeBank:
         ({field: [n, width]}, found) for feature tables. Flushes the keys' cached gradients first.
         Absent keys read as zeros (fill values) unless ``insert_missing`` inserts them with their
         initial value; ``found`` says whether each key existed before the call."""
-        return self._submit_lookup(table, keys, insert_missing, detach=False).result()
+        pending, finish = self._send_lookup(table, keys, insert_missing, detach=False)
+        return finish(self._collect(pending))
 
     def lookup_async(self, table: str, keys: Any, insert_missing: bool = False) -> "BankFuture":
         """:meth:`lookup` without waiting: the shard calls are sent now and ``.result()`` returns
@@ -443,18 +444,18 @@ class KnowledgeBank:
         are copied, so the caller may reuse its buffer at once. Calls in flight together may reach
         a shard in any order; a lookup sees every write whose ``result()`` returned before it was
         issued. In-process banks compute at once."""
-        return self._submit_lookup(table, keys, insert_missing, detach=True)
+        return BankFuture(self, *self._send_lookup(table, keys, insert_missing, detach=True))
 
-    def _submit_lookup(self, table: str, keys: Any, insert_missing: bool,
-                       detach: bool) -> "BankFuture":
+    def _send_lookup(self, table: str, keys: Any, insert_missing: bool,
+                     detach: bool) -> tuple[dict[int, Any], Callable[[dict[int, Any]], Any]]:
+        """Validate, route and send a lookup: (pending shard calls, merge of their results)."""
         config = self._config(table)
         keys = _as_keys(keys)
         routes = self._route(keys)
         whole = _detached(keys, detach and self._remote)
         pending = self._submit("lookup", {s: (table, whole if pos is None else keys[pos],
                                               bool(insert_missing)) for s, pos in routes})
-        return BankFuture(self, pending, lambda results: _merge_lookups(config, len(keys), routes,
-                                                                         results))
+        return pending, lambda results: _merge_lookups(config, len(keys), routes, results)
 
     def update(self, table: str, keys: Any, values: Any, version: int = 0) -> None:
         """Write ``values`` ([n, dim] float, or {field: [n, width]}) for ``keys`` with the model
@@ -481,25 +482,26 @@ class KnowledgeBank:
         """Cache gradients ([n, dim]) for ``keys``; they are applied lazily (module docstring):
         averaged with NaN/Inf and outlier gradients dropped, then one optimizer step per key.
         Keys not yet present are inserted with their initial value."""
-        self._submit_gradients(table, keys, gradients, detach=False).result()
+        self._collect(self._send_gradients(table, keys, gradients, detach=False))
 
     def apply_gradients_async(self, table: str, keys: Any, gradients: Any) -> "BankFuture":
         """:meth:`apply_gradients` without waiting; ``.result()`` (None) waits for the shards and
         raises their errors. Inputs are validated and copied before anything is sent; ordering
         as in :meth:`lookup_async`."""
-        return self._submit_gradients(table, keys, gradients, detach=True)
+        pending = self._send_gradients(table, keys, gradients, detach=True)
+        return BankFuture(self, pending, lambda results: None)
 
-    def _submit_gradients(self, table: str, keys: Any, gradients: Any,
-                          detach: bool) -> "BankFuture":
+    def _send_gradients(self, table: str, keys: Any, gradients: Any,
+                        detach: bool) -> dict[int, Any]:
+        """Validate, route and send gradients; the pending shard calls."""
         config = self._embedding_config(table, "apply_gradients")
         keys = _as_keys(keys)
         gradients = _as_matrix(gradients, len(keys), config["dim"], "gradients", finite=False)
         routes = self._route(keys)
         detach = detach and self._remote
-        pending = self._submit("apply_gradients", {
+        return self._submit("apply_gradients", {
             s: (table, _detached(keys, detach), _detached(gradients, detach)) if pos is None else
             (table, keys[pos], gradients[pos]) for s, pos in routes})
-        return BankFuture(self, pending, lambda results: None)
 
     def flush(self, table: str | None = None) -> None:
         """Apply every cached gradient now (of one table, or of all)."""
