@@ -4,8 +4,8 @@ Run from the repo root: ``python benchmarks/kb.py`` (1,000,000 x 64 table) or ``
 (or CARLSKIT_SMALL=1: 100,000 rows). Prints progress, then ONE JSON object as the last line.
 Every ratio compares against a baseline measured in the same process on the same data.
 
-Distributed keys (2 shards on 2 worker processes, batches of 4096, medians of 3 rounds; ``*_all``
-lists every round): ``dist_lookup_rows_per_s`` is blocking ``lookup`` calls one after another (the
+Distributed keys (2 shards on 2 worker processes, batches of 4096; the variants take turns every 25
+batches and each figure is the median over those slices, so all see the same load): ``dist_lookup_rows_per_s`` is blocking ``lookup`` calls one after another (the
 issue's target); ``dist_lookup_pipelined_rows_per_s`` keeps ``IN_FLIGHT`` batches in flight with
 ``lookup_async``; ``dist_floor_rows_per_s`` (and ``_pipelined``) is the same traffic to an actor that
 does no work (2048 keys in, 2048 x 64 float32 out, per worker): the most Dask allows here.
@@ -31,6 +31,8 @@ DIM = 64
 BATCH = 4096
 #: batches kept in flight by the pipelined variants (lookup_async / apply_gradients_async)
 IN_FLIGHT = 4
+#: the distributed variants take turns every CYCLE_BATCHES batches
+CYCLE_BATCHES = 25
 
 
 def resident_bytes() -> int:
@@ -143,10 +145,9 @@ class AllOf:
         return [future.result() for future in self.futures]
 
 
-def rows_per_second(submit, batches: list[np.ndarray], in_flight: int) -> float:
-    """Rows/s of ``submit(batch).result()`` over ``batches``, keeping ``in_flight`` batches sent
-    and not yet waited for (1: one blocking call after the other)."""
-    submit(batches[0]).result()  # warm-up
+def seconds_for(submit, batches: list[np.ndarray], in_flight: int) -> float:
+    """Seconds to run ``submit(batch).result()`` over ``batches``, keeping ``in_flight`` batches
+    sent and not yet waited for (1: one blocking call after the other)."""
     window: collections.deque = collections.deque()
     start = time.perf_counter()
     for batch in batches:
@@ -155,12 +156,11 @@ def rows_per_second(submit, batches: list[np.ndarray], in_flight: int) -> float:
             window.popleft().result()
     while window:
         window.popleft().result()
-    return len(batches) * len(batches[0]) / (time.perf_counter() - start)
+    return time.perf_counter() - start
 
 
-def distributed_mode(num_rows: int, calls: int, rounds: int) -> dict:
-    """2 shards on 2 worker processes; every throughput is the median of ``rounds`` rounds, each
-    round measuring every variant once, one after the other (fair under noisy neighbours)."""
+def distributed_mode(num_rows: int, calls: int) -> dict:
+    """2 shards on 2 worker processes, ``calls`` batches of ``BATCH`` random keys per variant."""
     from distributed import Client, LocalCluster
 
     results: dict = {}
@@ -201,23 +201,27 @@ def distributed_mode(num_rows: int, calls: int, rounds: int) -> dict:
             "dist_apply_gradients_pipelined_rows_per_s": (
                 lambda b: kb.apply_gradients_async("emb", b, gradients), IN_FLIGHT),
         }
+        for submit, in_flight in variants.values():  # warm-up
+            seconds_for(submit, batches[:in_flight], in_flight)
+        # The variants take turns on short slices of the batches, so that every variant sees the
+        # same load from other processes; a figure is the median over the slices.
         measured: dict = {name: [] for name in variants}
         loads = []
-        for round_number in range(rounds):
+        for first in range(0, len(batches), CYCLE_BATCHES):
+            part = batches[first:first + CYCLE_BATCHES]
             for name, (submit, in_flight) in variants.items():
-                measured[name].append(rows_per_second(submit, batches, in_flight))
+                measured[name].append(len(part) * BATCH / seconds_for(submit, part, in_flight))
             kb.flush("emb")
             loads.append(os.getloadavg()[0])
-            print(f"round {round_number}: " + ", ".join(
-                f"{name[5:-11]} {values[-1] / 1e6:.2f}M" for name, values in measured.items()),
-                flush=True)
+        print(", ".join(f"{name[5:-11]} {statistics.median(values) / 1e6:.2f}M"
+                        for name, values in measured.items()), flush=True)
         for name, values in measured.items():
             results[name] = statistics.median(values)
-            results[name + "_all"] = [round(v) for v in values]
+        results["dist_cycles"] = len(loads)
         results["dist_lookup_vs_floor"] = (results["dist_lookup_rows_per_s"]
                                            / results["dist_floor_rows_per_s"])
         results["dist_in_flight"] = IN_FLIGHT
-        results["dist_load_average_1min_per_round"] = loads
+        results["dist_load_average_1min"] = statistics.median(loads)
         results["dist_ping_all_shards_ms"] = median_seconds(kb.ping, 50) * 1e3  # Dask alone
         results["dist_lookup_latency_ms"] = median_seconds(
             lambda: kb.lookup("emb", batches[0]), 50) * 1e3
@@ -252,8 +256,7 @@ def main() -> None:
                         "nearest_vs_faiss>=0.8": results["nearest_vs_faiss"] >= 0.8,
                         "memory_ratio<=1.5": results["memory_ratio"] <= 1.5})
     if args.part in ("all", "distributed"):
-        results.update(distributed_mode(num_rows, calls=30 if small else 100,
-                                        rounds=3))
+        results.update(distributed_mode(num_rows, calls=50 if small else 150))
         targets.update({
             "dist_lookup_rows_per_s>=1e6": results["dist_lookup_rows_per_s"] >= 1e6,
             "dist_lookup_pipelined_rows_per_s>=1e6":
