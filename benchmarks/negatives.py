@@ -8,7 +8,8 @@ symmetric InfoNCE over the batch plus N negatives:
 - baseline: the batch carries the N negatives' raw images and captions and the step encodes them
             itself (forward and backward through both towers, as with in-batch negatives).
 Step time: the median of the trainer's own per-step times (the jitted step, synchronised) after a
-compile warm-up.
+compile warm-up, measured round-robin over the configurations so a shared machine's load changes
+hit them all alike.
 
     python benchmarks/negatives.py [--small]
 Last line: JSON with bank_t4096_over_t16, baseline_t4096_over_t16 and per-N times.
@@ -67,11 +68,19 @@ def pairs(data, batch_size: int, num_negatives: int = 0, seed: int = 0):
     return batch
 
 
-def median_step_seconds(trainer: Trainer, data, steps: int, warmup: int) -> float:
-    trainer.fit(data, warmup, progress=False, live=False)
-    first = len(trainer.history)
-    trainer.fit(data, steps, progress=False, live=False)
-    return float(np.median([record["step_seconds"] for record in trainer.history[first:]]))
+def interleaved_step_seconds(runs: dict, rounds: int, steps: int, warmup: int) -> dict:
+    """Median step time of each ``(trainer, data)`` in ``runs``, measured round-robin (``rounds``
+    rounds of ``steps`` steps each, after ``warmup`` compile steps), so load changes on a shared
+    machine hit every configuration alike."""
+    times: dict = {name: [] for name in runs}
+    for trainer, data in runs.values():
+        trainer.fit(data, warmup, progress=False, live=False)
+    for _ in range(rounds):
+        for name, (trainer, data) in runs.items():
+            first = len(trainer.history)
+            trainer.fit(data, steps, progress=False, live=False)
+            times[name] += [record["step_seconds"] for record in trainer.history[first:]]
+    return {name: float(np.median(values)) for name, values in times.items()}
 
 
 def main() -> None:
@@ -81,7 +90,7 @@ def main() -> None:
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     counts = [16, 256, 4096]
     batch_size, hidden, dim = 256, 1024, 128
-    steps, warmup = (4, 2) if small else (10, 3)
+    rounds, steps, warmup = (2, 2, 1) if small else (5, 2, 2)
     data = load_captioned_digits(9216, num_test=1024, seed=0)
     make_model = functools.partial(TwoTower, data.images.shape[1], len(VOCABULARY), hidden=hidden, dim=dim, seed=0)
 
@@ -94,14 +103,16 @@ def main() -> None:
         bank.update(table, data.train_idx, np.asarray(values), version=0)
 
     loss = functools.partial(loss_fn, temperature=TEMPERATURE)
-    results: dict = {"batch_size": batch_size, "hidden": hidden, "dim": dim, "negatives": counts,
-                     "bank_step_s": {}, "baseline_step_s": {}}
+    runs = {}
     for n in counts:
         negatives = BankNegatives(bank, TABLES, num_negatives=n, candidates=data.train_idx)
-        trainer = Trainer(make_model(), optax.adam(1e-3), loss, knowledge=negatives)
-        results["bank_step_s"][n] = median_step_seconds(trainer, pairs(data, batch_size), steps, warmup)
-        trainer = Trainer(make_model(), optax.adam(1e-3), baseline_loss)
-        results["baseline_step_s"][n] = median_step_seconds(trainer, pairs(data, batch_size, n), steps, warmup)
+        runs[("bank", n)] = (Trainer(make_model(), optax.adam(1e-3), loss, knowledge=negatives), pairs(data, batch_size))
+        runs[("baseline", n)] = (Trainer(make_model(), optax.adam(1e-3), baseline_loss), pairs(data, batch_size, n))
+    seconds = interleaved_step_seconds(runs, rounds, steps, warmup)
+    results: dict = {"batch_size": batch_size, "hidden": hidden, "dim": dim, "negatives": counts,
+                     "bank_step_s": {n: seconds[("bank", n)] for n in counts},
+                     "baseline_step_s": {n: seconds[("baseline", n)] for n in counts}}
+    for n in counts:
         print(f"N={n:5d}  bank {results['bank_step_s'][n] * 1e3:9.2f} ms/step   "
               f"baseline {results['baseline_step_s'][n] * 1e3:9.2f} ms/step", file=sys.stderr, flush=True)
     results["bank_t4096_over_t16"] = results["bank_step_s"][4096] / results["bank_step_s"][16]

@@ -97,7 +97,7 @@ def test_the_maker_writes_unit_embeddings_with_increasing_versions():
                 seen.append(int(bank.row_metadata("text_emb", items)["version"].min()))
         finally:
             maker.stop()
-    assert maker.status()["errors"] == []
+        assert maker.status()["errors"] == []
     assert seen == [0, 5, 10, 15], "every round carries the version of the checkpoint it encoded"
     for table in two_tower.TABLES:
         values, found = bank.lookup(table, items)
