@@ -31,7 +31,7 @@ import optax
 from carlskit.bank import KnowledgeBank
 from carlskit.data import VOCABULARY, load_captioned_digits
 from carlskit.paradigms.two_tower import TABLES, TwoTower, encode, loss_fn
-from carlskit.training import BankNegatives, Trainer, info_nce
+from carlskit.training import BankNegatives, Trainer
 
 TEMPERATURE = 0.05
 
@@ -50,7 +50,8 @@ def baseline_loss(model, batch):
     images, texts = model.embed_images(batch["images"]), model.embed_texts(batch["tokens"])
     negative_images = model.embed_images(batch["negative_pixels"])
     negative_texts = model.embed_texts(batch["negative_tokens"])
-    return (_in_step_info_nce(images, texts, negative_texts) + _in_step_info_nce(texts, images, negative_images)) / 2, {}
+    image_to_text = _in_step_info_nce(images, texts, negative_texts)
+    return (image_to_text + _in_step_info_nce(texts, images, negative_images)) / 2, {}
 
 
 def pairs(data, batch_size: int, num_negatives: int = 0, seed: int = 0):
@@ -59,10 +60,11 @@ def pairs(data, batch_size: int, num_negatives: int = 0, seed: int = 0):
 
     def batch(step: int) -> dict:
         ids = rng.choice(data.train_idx, batch_size + num_negatives, replace=False)
-        out = {"ids": ids[:batch_size], "images": data.images[ids[:batch_size]], "tokens": data.tokens[ids[:batch_size]]}
+        positives, negatives = ids[:batch_size], ids[batch_size:]
+        out = {"ids": positives, "images": data.images[positives], "tokens": data.tokens[positives]}
         if num_negatives:
-            out["negative_pixels"] = data.images[ids[batch_size:]]
-            out["negative_tokens"] = data.tokens[ids[batch_size:]]
+            out["negative_pixels"] = data.images[negatives]
+            out["negative_tokens"] = data.tokens[negatives]
         return out
 
     return batch
@@ -90,7 +92,7 @@ def main() -> None:
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     counts = [16, 256, 4096]
     batch_size, hidden, dim = 256, 1024, 128
-    rounds, steps, warmup = (2, 2, 1) if small else (5, 2, 2)
+    rounds, steps, warmup = (3, 2, 1) if small else (5, 2, 2)
     data = load_captioned_digits(9216, num_test=1024, seed=0)
     make_model = functools.partial(TwoTower, data.images.shape[1], len(VOCABULARY), hidden=hidden, dim=dim, seed=0)
 
@@ -106,7 +108,8 @@ def main() -> None:
     runs = {}
     for n in counts:
         negatives = BankNegatives(bank, TABLES, num_negatives=n, candidates=data.train_idx)
-        runs[("bank", n)] = (Trainer(make_model(), optax.adam(1e-3), loss, knowledge=negatives), pairs(data, batch_size))
+        bank_trainer = Trainer(make_model(), optax.adam(1e-3), loss, knowledge=negatives)
+        runs[("bank", n)] = (bank_trainer, pairs(data, batch_size))
         runs[("baseline", n)] = (Trainer(make_model(), optax.adam(1e-3), baseline_loss), pairs(data, batch_size, n))
     seconds = interleaved_step_seconds(runs, rounds, steps, warmup)
     results: dict = {"batch_size": batch_size, "hidden": hidden, "dim": dim, "negatives": counts,

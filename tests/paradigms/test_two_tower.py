@@ -120,13 +120,14 @@ def test_recall_counts_the_partner_in_the_top_k():
 @pytest.mark.slow
 def test_small_end_to_end_run_learns_to_retrieve_held_out_pairs():
     data = load_captioned_digits(4096 + 512, num_test=512, seed=0)
-    config = replace(two_tower.TwoTowerConfig(), steps=200, hidden=128)
+    config = replace(two_tower.TwoTowerConfig(), steps=150, hidden=128, learning_rate=1e-3)
     untrained = two_tower.recall_at(two_tower.make_model(config, 0), data, data.test_idx)
     result = two_tower.train(data, config, 256, seed=0)
-    assert result["steps"] == 200 and result["maker_status"]["errors"] == []
+    assert result["steps"] == 150 and result["maker_status"]["errors"] == []
     history = result["history"]
     assert result["mean_staleness"] is not None and result["mean_staleness"] >= 0
     assert np.mean([r["loss"] for r in history[-20:]]) < 0.5 * np.mean([r["loss"] for r in history[:5]])
-    assert untrained["recall@10"] < 0.05
+    assert untrained["recall@10"] < 0.1  # chance: 10 / 512
+    # Measured (seed 0): recall@1 0.001 -> 0.55, recall@10 0.015 -> 0.99.
     assert result["recall@10"] > untrained["recall@10"] + 0.5, (untrained, result["recall@10"])
-    assert result["recall@1"] > untrained["recall@1"] + 0.1
+    assert result["recall@1"] > untrained["recall@1"] + 0.2, (untrained, result["recall@1"])
