@@ -17,14 +17,17 @@ class EmbeddingMaker:
 
     ``model_factory()`` builds the model (same structure as the trainer's; picklable, e.g. a module
     level function or ``functools.partial``); ``encode(model, features) -> {table: [n, dim]}``
-    (or one array, written to ``table``). Items are encoded in batches of ``batch_size``.
+    (or one array, written to ``table``). ``features`` is one array [n, ...] or, for several
+    inputs per item (e.g. two modalities), a dict of them, each [n, ...]; ``encode`` then receives
+    the dict of each batch's rows. Items are encoded in batches of ``batch_size``.
     """
 
-    def __init__(self, model_factory: Callable[[], nnx.Module], encode: Callable, features: np.ndarray,
-                 *, table: str = "emb", batch_size: int = 1024):
+    def __init__(self, model_factory: Callable[[], nnx.Module], encode: Callable,
+                 features: np.ndarray | dict[str, np.ndarray], *, table: str = "emb", batch_size: int = 1024):
         self.model_factory = model_factory
         self.encode = encode
-        self.features = np.asarray(features)
+        self.features = ({name: np.asarray(values) for name, values in features.items()}
+                         if isinstance(features, dict) else np.asarray(features))
         self.table = table
         self.batch_size = batch_size
         self._model = None
@@ -65,7 +68,9 @@ class EmbeddingMaker:
         outputs: dict[str, list[np.ndarray]] = {}
         for start in range(0, len(context.items), self.batch_size):
             items = context.items[start:start + self.batch_size]
-            encoded = self._encode(state, self.features[items])
+            rows = ({name: values[items] for name, values in self.features.items()}
+                    if isinstance(self.features, dict) else self.features[items])
+            encoded = self._encode(state, rows)
             if not isinstance(encoded, dict):
                 encoded = {self.table: encoded}
             for name, values in encoded.items():

@@ -1,11 +1,17 @@
 """The CARLS trainer (paper section 3.3): checkpoints, input pipeline with bank knowledge, losses."""
 
 from carlskit.training._checkpoint import CheckpointStore, restore_model
-from carlskit.training._knowledge import MinedLabels, NeighborKnowledge, check_embedding_dim
-from carlskit.training._losses import graph_regularization, masked_cross_entropy, pairwise_distance, select_mined_labels
+from carlskit.training._knowledge import BankNegatives, MinedLabels, NeighborKnowledge, check_embedding_dim
+from carlskit.training._losses import (
+    graph_regularization,
+    info_nce,
+    masked_cross_entropy,
+    pairwise_distance,
+    select_mined_labels,
+)
 from carlskit.training._pipeline import Prefetcher
 from carlskit.training._trainer import FitHandle, Trainer
 
-__all__ = ["CheckpointStore", "restore_model", "MinedLabels", "NeighborKnowledge", "check_embedding_dim",
-           "graph_regularization", "masked_cross_entropy", "pairwise_distance", "select_mined_labels", "Prefetcher",
+__all__ = ["CheckpointStore", "restore_model", "BankNegatives", "MinedLabels", "NeighborKnowledge", "check_embedding_dim",
+           "graph_regularization", "info_nce", "masked_cross_entropy", "pairwise_distance", "select_mined_labels", "Prefetcher",
            "FitHandle", "Trainer"]

@@ -117,3 +117,74 @@ class MinedLabels:
             "mined_confidence": np.where(found, records["confidence"][:, 0], 0.0).astype(np.float32),
             "_mined_version": version,
         }
+
+
+class BankNegatives:
+    """Add ``num_negatives`` contrastive negatives, read from the bank, to a batch (CARLS 4.3).
+
+    For ``batch[key]`` (the ids of the batch's positive pairs [B]) it draws ``num_negatives``
+    distinct keys uniformly from ``candidates`` without the batch's ids (so no negative is a
+    positive of the batch) and reads, in one batched lookup per table of ``tables`` (``{table:
+    name}``, e.g. ``{"text_emb": "texts"}``), the negatives' and the batch items' own embeddings:
+
+    - ``negative_<name>`` [N, D] float32 and ``negative_mask`` [N] bool (found in every table;
+      negatives the maker has not written yet are masked out, not a crash);
+    - ``bank_<name>`` [B, D] float32: the batch items' own bank embeddings, computed by the same
+      (stale) checkpoints as the negatives, and ``bank_mask`` [B] bool;
+    - ``negative_ids`` [N] int64 and ``_embedding_version``: the mean model version of the
+      embeddings read (the trainer logs step minus it as staleness).
+
+    All of these are constants to the trainer (the maker computed them). ``num_negatives`` is
+    fixed, so the step compiles once whatever the batch.
+    """
+
+    def __init__(self, bank: Any, tables: dict[str, str], *, num_negatives: int, candidates: Any,
+                 key: str = "ids", seed: int = 0):
+        if not isinstance(tables, dict) or not tables:
+            raise ValueError(f"tables must be a non-empty dict {{table: name}}, got {tables!r}")
+        known = bank.tables
+        for table in tables:
+            if table not in known:
+                raise ValueError(f"the bank has no table {table!r} (tables: {sorted(known)})")
+            if known[table].get("kind") != "embedding":
+                raise ValueError(f"table {table!r} must be an embedding table")
+        candidates = np.unique(np.asarray(candidates))
+        if candidates.ndim != 1 or candidates.dtype.kind not in "iu" or len(candidates) == 0:
+            raise ValueError(f"candidates must be a non-empty 1-D array of int keys, got {candidates.dtype} "
+                             f"{candidates.shape}")
+        if not isinstance(num_negatives, int) or not 1 <= num_negatives < len(candidates):
+            raise ValueError(f"num_negatives must be an int in [1, {len(candidates) - 1}], got {num_negatives!r}")
+        self.bank, self.tables, self.key = bank, dict(tables), key
+        self.num_negatives = num_negatives
+        self.candidates = candidates.astype(np.int64)
+        self._rng = np.random.default_rng(seed)
+
+    def sample(self, positives: np.ndarray) -> np.ndarray:
+        """``num_negatives`` distinct candidate keys, none of them in ``positives``."""
+        positives = np.asarray(positives, dtype=np.int64)
+        draw = min(self.num_negatives + len(positives), len(self.candidates))
+        keys = self.candidates[self._rng.choice(len(self.candidates), draw, replace=False)]
+        keys = keys[~np.isin(keys, positives)]
+        if len(keys) < self.num_negatives:
+            raise ValueError(f"only {len(keys)} candidates remain besides the batch's {len(positives)} positives; "
+                             f"num_negatives is {self.num_negatives}")
+        return keys[: self.num_negatives]
+
+    def __call__(self, batch: Batch) -> Batch:
+        positives = np.asarray(batch[self.key], dtype=np.int64)
+        negatives = self.sample(positives)
+        keys = np.concatenate([negatives, positives])
+        found = np.ones(len(keys), bool)
+        out = {**batch, "negative_ids": negatives}
+        n = len(negatives)
+        for table, name in self.tables.items():
+            values, exists = self.bank.lookup(table, keys)
+            out[f"negative_{name}"], out[f"bank_{name}"] = values[:n], values[n:]
+            found &= exists
+        version = np.nan
+        if found.any():
+            first = next(iter(self.tables))
+            version = float(np.mean(self.bank.row_metadata(first, keys[found])["version"]))
+        out["negative_mask"], out["bank_mask"] = found[:n], found[n:]
+        out["_embedding_version"] = version
+        return out

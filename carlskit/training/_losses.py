@@ -65,3 +65,37 @@ def select_mined_labels(given: jax.Array, mined: jax.Array, confidence: jax.Arra
                          f"{mined.shape}, {confidence.shape}, {jnp.shape(threshold)}")
     use_mined = confidence > threshold
     return jnp.where(use_mined, mined, given), use_mined
+
+
+def info_nce(queries: jax.Array, positives: jax.Array, negatives: jax.Array | None = None,
+             negative_mask: jax.Array | None = None, temperature: float | jax.Array = 0.1) -> jax.Array:
+    """InfoNCE with cosine scores over in-batch positives and bank negatives (CARLS 4.3, ALIGN).
+
+    With s(a, b) = <a, b> / (|a| |b|) / temperature, for query i the candidates are every positive
+    j of the batch (j != i are its in-batch negatives) and every bank negative m::
+
+        loss = mean_i -log( exp s(q_i, p_i) / (sum_j exp s(q_i, p_j) + sum_m mask_m exp s(q_i, n_m)) )
+
+    ``queries``, ``positives`` [B, D]; ``negatives`` [N, D] shared by the batch (constants: no
+    gradient flows into them, as in CARLS and MoCo memory banks); ``negative_mask`` [N] bool drops
+    negatives (e.g. not yet in the bank).
+    """
+    if queries.ndim != 2 or positives.shape != queries.shape:
+        raise ValueError(f"expected queries and positives [B, D] of one shape, got {queries.shape}, {positives.shape}")
+    queries, positives = _unit(queries), _unit(positives)
+    logits = queries @ positives.T / temperature
+    if negatives is not None:
+        if negatives.ndim != 2 or negatives.shape[1] != queries.shape[1]:
+            raise ValueError(f"expected negatives [N, {queries.shape[1]}], got {negatives.shape}")
+        scores = queries @ _unit(jax.lax.stop_gradient(negatives)).T / temperature
+        if negative_mask is not None:
+            if negative_mask.shape != negatives.shape[:1]:
+                raise ValueError(f"expected negative_mask [{negatives.shape[0]}], got {negative_mask.shape}")
+            scores = jnp.where(negative_mask, scores, -jnp.inf)
+        logits = jnp.concatenate([logits, scores], axis=1)
+    log_probabilities = jax.nn.log_softmax(logits, axis=1)
+    return -jnp.mean(jnp.diagonal(log_probabilities))
+
+
+def _unit(x: jax.Array) -> jax.Array:
+    return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
