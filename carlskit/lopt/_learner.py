@@ -103,7 +103,8 @@ class Learner:
             for name in self.stats:
                 if name in metadata.get("learner", {}):
                     self.stats[name] = metadata["learner"][name]
-        self.last_update_seconds = 0.0
+        self.last_update_seconds = self._update_seconds_total = 0.0
+        self._timed_updates = 0
         self._accepted_times: collections.deque = collections.deque(maxlen=256)
         self._started = time.time()
         self._writer = None
@@ -192,6 +193,8 @@ class Learner:
             seconds = time.perf_counter() - started
             if records:
                 self.last_update_seconds = seconds
+                self._update_seconds_total += seconds
+                self._timed_updates += 1
             result = {"taken": len(records), "applied": len(fresh), "dropped_stale": stale, "rejected": rejected,
                       "outer_step": self.outer_step, "seconds": seconds}
         if fresh:
@@ -249,7 +252,10 @@ class Learner:
                     "rejected": dict(self.stats["rejected"]),
                     "staleness_counts": list(self.stats["staleness_counts"]),
                     "family_losses": {k: dict(v) for k, v in self.stats["family_losses"].items()},
-                    "update_seconds": self.last_update_seconds, "latest_checkpoint": self.checkpoints.latest()}
+                    "update_seconds": self.last_update_seconds,
+                    "mean_update_seconds": self._update_seconds_total / max(self._timed_updates, 1),
+                    "update_seconds_total": self._update_seconds_total, "timed_updates": self._timed_updates,
+                    "latest_checkpoint": self.checkpoints.latest()}
 
     def close(self) -> None:
         """Checkpoint the latest meta-parameters and flush summaries."""

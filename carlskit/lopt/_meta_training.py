@@ -14,6 +14,7 @@ worker dies, it rebuilds store and learner, and the new learner resumes from its
 
 from __future__ import annotations
 
+import contextlib
 import html
 import logging
 import os
@@ -137,11 +138,12 @@ class MetaTraining:
         self.gradient_store = store
         self._actor_futures = [store_future, learner_future]
 
-    def _es_workers_placement(self) -> list[str] | None:
+    def _es_worker_placement(self, index: int) -> list[str] | None:
+        """ES worker ``index`` prefers the ``index``-th worker other than the learner's (round robin)."""
         if self.client is None:
             return None
         others = [w for w in self._workers() if w != self._service_worker]
-        return others or None
+        return [others[index % len(others)]] if others else None
 
     def _worker_args(self, index: int):
         return lambda: (index, self.learner, self.gradient_store, self.family, self.lopt.rule, self.worker_config,
@@ -162,9 +164,9 @@ class MetaTraining:
                 logdir=self.logdir, on_result=self._on_eval_result)
             self.eval_results.update(self.chief.results())
         self._tasks = LongRunningTasks(self.client, f"es-worker-{self._topic[-8:]}", on_poll=self._poll_chief)
-        placement = self._es_workers_placement()
         for index in range(self.num_workers):
-            self._tasks.launch(str(index), run_es_worker, self._worker_args(index), workers=placement)
+            self._tasks.launch(str(index), run_es_worker, self._worker_args(index),
+                               workers=self._es_worker_placement(index))
         self._driving.set()
         self._driver = threading.Thread(target=self._drive_learner, name="meta-training-learner", daemon=True)
         self._driver.start()
@@ -229,9 +231,11 @@ class MetaTraining:
         for future in self._actor_futures:
             future.release()
         self._actor_futures = []
-        for widget in self._widgets.values():
-            if hasattr(widget, "stop"):
-                widget.stop()
+        for widget in self._widgets.values():  # a last refresh showing the final state, then stop
+            for method in ("update", "refresh", "stop"):
+                if hasattr(widget, method):
+                    with contextlib.suppress(Exception):
+                        getattr(widget, method)()
 
     # ------------------------------------------------------------------ results
     def learner_status(self) -> dict[str, Any]:
@@ -249,7 +253,8 @@ class MetaTraining:
         learner = self.learner_status()
         report = {key: learner.get(key) for key in ("outer_step", "resumed_from", "outer_loss",
                                                     "gradients_per_second", "dropped_fraction", "received",
-                                                    "applied", "rejected", "latest_checkpoint")}
+                                                    "applied", "rejected", "latest_checkpoint",
+                                                    "mean_update_seconds")}
         report["staleness_counts"] = learner.get("staleness_counts")
         try:
             report["store"] = call(self.gradient_store, "status", timeout=30) if self.gradient_store else None
@@ -304,6 +309,9 @@ class MetaTraining:
         board = ClusterStatus(self.client, sources=[self], every_seconds=every_seconds, show_devices=False)
         staleness = StalenessHistogram(self, every_seconds=every_seconds)
         self._widgets.update(live=live, eval_curves=curves, status=board, staleness=staleness)
+        if self._driver is not None:  # refresh while training runs, displayed or not
+            live.start()
+            board._on_display()
         return ipywidgets.VBox([live.widget, staleness.widget, curves.widget, board.widget])
 
     def _repr_html_(self) -> str:
