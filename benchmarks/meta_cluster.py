@@ -113,6 +113,9 @@ def main() -> None:
     results: dict[str, dict] = {}
     client = carlskit.connect(n_workers=3, threads_per_worker=1)  # store+learner worker, 2 ES workers
     try:
+        print("warm-up: every worker process compiles the estimator once (not measured) ...", flush=True)
+        cluster_run(client, rule, task, num_workers=2, max_staleness=5, num_tasks=num_tasks, num_steps=num_steps,
+                    window_seconds=1.0, warmup_steps=5)
         for name, workers, staleness in (("1_worker", 1, 5), ("2_workers", 2, 5), ("staleness_0", 2, 0),
                                          ("staleness_1", 2, 1)):
             print(f"cluster run {name} ...", flush=True)

@@ -208,9 +208,9 @@ class EvaluationChief:
             return
         self._meta_leaves[version] = [np.asarray(leaf) for leaf in jax.tree.leaves(meta_params)]
         self._in_flight[version] = {}
-        for task_set in self.task_sets:
-            for index in range(len(task_set.tasks)):
-                self._queue.append((version, task_set.name, index))
+        # Newest checkpoint first: the live view shows the latest curves soon; older ones follow.
+        self._queue[0:0] = [(version, task_set.name, index)
+                            for task_set in self.task_sets for index in range(len(task_set.tasks))]
 
     def _submit_queued(self) -> None:
         running = sum(1 for jobs in self._in_flight.values() for job in jobs.values() if not job.done())

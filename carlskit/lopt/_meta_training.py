@@ -212,8 +212,10 @@ class MetaTraining:
             self.learner_errors.append(f"restart failed: {error!r}")
             time.sleep(0.5)
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Stop the workers and the driver, checkpoint the learner's latest meta-parameters, and stop the chief."""
+    def stop(self, timeout: float = 60.0, *, evaluate_final: bool = True) -> None:
+        """Stop the workers and the driver, checkpoint the learner's latest meta-parameters, evaluate
+        that final checkpoint (``evaluate_final``, waiting up to ``timeout``), and stop the chief.
+        Checkpoints not evaluated yet are left for the next chief over the same directory."""
         if self._driver is None:
             return
         if self._tasks is not None:
@@ -227,6 +229,12 @@ class MetaTraining:
         except Exception as error:  # its worker may be gone; the checkpoints on disk remain
             self.learner_errors.append(f"close failed: {error!r}")
         if self.chief is not None:
+            final = self.chief.checkpoints.latest()
+            if evaluate_final and final is not None:
+                try:
+                    self.chief.wait(final, timeout)
+                except TimeoutError as error:
+                    logger.warning("%s", error)
             self.chief.close()
         for future in self._actor_futures:
             future.release()
