@@ -1,7 +1,7 @@
 """Long-running work on Dask workers (or threads here) with a supervisor that restarts what fails.
 
-The pattern of :class:`carlskit.makers.Maker`, as one helper other components share: each piece of
-work is a function that loops until a stop flag is set. With a Dask client it runs as a task that
+Shared by :class:`carlskit.makers.Maker` (its slices) and :class:`carlskit.lopt.MetaTraining` (its
+ES workers): each piece of work is a function that loops until a stop flag is set. With a Dask client it runs as a task that
 secedes from its worker's thread pool (so it never blocks other tasks or actors); without one, in a
 daemon thread of this process. A supervisor thread polls them: a piece that raised, or whose
 worker died, is relaunched with *fresh* arguments (``make_args()`` is called again, so it picks up,
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import traceback
@@ -63,15 +64,16 @@ class LongRunningTasks:
     Args:
       client: a ``distributed.Client`` (Dask tasks) or ``None`` (threads of this process).
       name: prefix of task keys and thread names.
+      piece: what one piece is called in error messages (``"slice"``, ``"worker"``).
       poll_seconds: how often the supervisor checks the running pieces.
       max_restarts: restarts in total after which failing pieces are given up (logged).
       on_poll: called by the supervisor thread once per poll (e.g. to check the health of actors
         before the pieces are relaunched); its exceptions are logged and kept like a piece's.
     """
 
-    def __init__(self, client: Any, name: str, *, poll_seconds: float = 0.2, max_restarts: int = 100,
-                 on_poll: Callable[[], None] | None = None) -> None:
-        self.client, self.name = client, name
+    def __init__(self, client: Any, name: str, *, piece: str = "piece", poll_seconds: float = 0.2,
+                 max_restarts: int = 100, on_poll: Callable[[], None] | None = None) -> None:
+        self.client, self.name, self.piece = client, name, piece
         self.poll_seconds, self.max_restarts, self.on_poll = poll_seconds, max_restarts, on_poll
         self.errors: list[tuple[str, str]] = []
         self.restarts = 0
@@ -131,10 +133,11 @@ class LongRunningTasks:
         return True, None, ""
 
     def record_error(self, where: str, error: BaseException, trace: str = "") -> None:
-        """Keep and log an error (of a piece, or of the caller's own supervision step)."""
+        """Keep, log and print an error (of a piece, or of the supervision step): never swallowed."""
         message = f"{self.name} {where} raised {type(error).__name__}: {error}"
         self.errors.append((where, f"{message}\n{trace}"))
         logger.error(message)
+        print(message, file=sys.stderr, flush=True)
 
     def poll_once(self) -> list[str]:
         """Relaunch every piece that ended while not stopping; returns their keys."""
@@ -145,7 +148,7 @@ class LongRunningTasks:
                 if not done or self._stopping:
                     continue
                 if error is not None:
-                    self.record_error(key, error, trace)
+                    self.record_error(f"{self.piece} {key}", error, trace)
                 if self.restarts >= self.max_restarts:
                     logger.error("%s gave up %s after %d restarts", self.name, key, self.restarts)
                     del self._running[key]

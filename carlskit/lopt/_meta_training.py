@@ -163,7 +163,8 @@ class MetaTraining:
                 eval_workers=self.eval_workers, time_scale=self.worker_config.num_steps / self.eval_task_sets[0].num_steps,
                 logdir=self.logdir, on_result=self._on_eval_result)
             self.eval_results.update(self.chief.results())
-        self._tasks = LongRunningTasks(self.client, f"es-worker-{self._topic[-8:]}", on_poll=self._poll_chief)
+        self._tasks = LongRunningTasks(self.client, f"es-worker-{self._topic[-8:]}", piece="worker",
+                                       on_poll=self._poll_chief)
         for index in range(self.num_workers):
             self._tasks.launch(str(index), run_es_worker, self._worker_args(index),
                                workers=self._es_worker_placement(index))
@@ -199,7 +200,9 @@ class MetaTraining:
                 if self.client is not None and self.client.status != "running":
                     return
                 time.sleep(0.2)
-                if not self._learner_alive() or isinstance(error, (OSError, RuntimeError)):
+                # Its worker is gone (comm error, "Worker holding Actor was lost"): rebuild. Any other
+                # error is the learner's own: recorded above, and the next update tries again.
+                if not self._learner_alive() or isinstance(error, OSError) or "lost" in str(error):
                     self._restart_services()
 
     def _restart_services(self) -> None:
