@@ -19,15 +19,12 @@ import os
 import tempfile
 import time
 
-import jax
 import numpy as np
-import optax
 
 import carlskit
-from carlskit.lopt import LearnedOptimizer, MLPUpdateRule, QuadraticTask, make_full_es_estimator
-from carlskit.lopt._gradient_store import GradientStore, call
-from carlskit.lopt._learner import Learner
-from carlskit.lopt._meta_training import MetaTraining
+
+# JAX and carlskit.lopt are imported inside the functions: Dask's spawned workers re-import this
+# script, and JAX must not start there before carlskit configures the worker.
 
 
 def wait_for(condition, seconds: float) -> None:
@@ -39,6 +36,10 @@ def wait_for(condition, seconds: float) -> None:
 
 
 def in_process_rate(rule, task, num_tasks, num_steps, seconds) -> float:
+    import jax
+
+    from carlskit.lopt import make_full_es_estimator
+
     estimator = make_full_es_estimator(rule, task, num_tasks=num_tasks, num_steps=num_steps)
     theta = rule.init_meta_params(jax.random.PRNGKey(0))
     jax.block_until_ready(estimator(theta, jax.random.PRNGKey(0)))  # compile
@@ -51,6 +52,10 @@ def in_process_rate(rule, task, num_tasks, num_steps, seconds) -> float:
 
 def learner_overhead(rule, gradients_per_update: int, updates: int) -> float:
     """Seconds per learner update (validation, staleness filter, averaging, Adam) in this process."""
+    import optax
+
+    from carlskit.lopt import GradientStore, Learner
+
     with tempfile.TemporaryDirectory() as directory:
         store = GradientStore()
         learner = Learner(rule, store, directory, outer_optimizer=optax.adam(1e-3), checkpoint_every_seconds=1e9)
@@ -75,6 +80,8 @@ def learner_overhead(rule, gradients_per_update: int, updates: int) -> float:
 
 def cluster_run(client, rule, task, *, num_workers, max_staleness, num_tasks, num_steps, window_seconds,
                 warmup_steps=3) -> dict:
+    from carlskit.lopt import LearnedOptimizer, MetaTraining
+
     with tempfile.TemporaryDirectory() as directory:
         training = MetaTraining(LearnedOptimizer(rule), task, client, directory=directory, num_workers=num_workers,
                                 num_tasks=num_tasks, num_steps=num_steps, max_staleness=max_staleness,
@@ -100,6 +107,8 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="short windows (also CARLSKIT_SMALL=1)")
     args = parser.parse_args()
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
+    from carlskit.lopt import MLPUpdateRule, QuadraticTask
+
     window = 6.0 if small else 20.0
     rule, task = MLPUpdateRule(), QuadraticTask(8, 10.0, 0.1)
     num_tasks, num_steps = 8, 20
