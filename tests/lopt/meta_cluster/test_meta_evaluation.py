@@ -5,8 +5,8 @@ import numpy as np
 import optax
 import pytest
 
-from carlskit.lopt import LearnableAdamRule, QuadraticTask, train_tasks_vectorized
-from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, evaluation_curves
+from carlskit.lopt import (EvalTaskSet, EvaluationChief, LearnableAdamRule, QuadraticTask, evaluation_curves,
+                           train_tasks_vectorized)
 from carlskit.training import CheckpointStore
 
 RULE = LearnableAdamRule()

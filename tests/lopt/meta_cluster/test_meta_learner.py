@@ -7,9 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from carlskit.lopt import LearnableAdamRule
-from carlskit.lopt._gradient_store import GradientStore
-from carlskit.lopt._learner import Learner
+from carlskit.lopt import GradientStore, LearnableAdamRule, Learner
 
 RULE = LearnableAdamRule()
 

@@ -7,10 +7,8 @@ import numpy as np
 import pytest
 
 import carlskit
-from carlskit.lopt import LearnableAdam, QuadraticFamily, QuadraticTask
-from carlskit.lopt._evaluation import EvalTaskSet
+from carlskit.lopt import EvalTaskSet, LearnableAdam, MetaTraining, QuadraticFamily, QuadraticTask
 from carlskit.lopt._gradient_store import call
-from carlskit.lopt._meta_training import MetaTraining
 from process_helpers import wait_until
 
 TASK = QuadraticTask(4, 10.0, 0.1)
