@@ -5,7 +5,9 @@ Public names: ``LearnedOptimizer``, ``LearnableAdam``, the pure update rules ``M
 ``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask``), inner training
 (``train_tasks_vectorized``, ``train_tasks_serial``) and the outer-gradient estimators
 (``full_es_gradient``, ``pes_gradient``, ``pes_init_state``, ``make_full_es_estimator``,
-``make_pes_estimator``).
+``make_pes_estimator``), and the meta-training cluster (Metz et al. 2022, App. H.1): ``MetaTraining``,
+``GradientStore``, ``Learner``, ``EvaluationChief``, ``EvalTaskSet``, ``default_eval_task_sets``,
+``evaluation_curves``.
 """
 
 from carlskit.lopt._estimators import (
@@ -18,6 +20,8 @@ from carlskit.lopt._estimators import (
     pes_gradient,
     pes_init_state,
 )
+from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, evaluation_curves
+from carlskit.lopt._gradient_store import GradientStore
 from carlskit.lopt._inner import (
     InnerState,
     aggregate_losses,
@@ -27,6 +31,8 @@ from carlskit.lopt._inner import (
     train_tasks_vectorized,
     unroll,
 )
+from carlskit.lopt._learner import Learner
+from carlskit.lopt._meta_training import MetaTraining
 from carlskit.lopt._optimizer import LearnableAdam, LearnedOptimizer, optax_train_curves, tuned_sgd_learning_rate
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
 from carlskit.lopt._tasks import (
@@ -40,7 +46,8 @@ from carlskit.lopt._tasks import (
 )
 
 __all__ = [
-    "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "InnerState", "LearnableAdam", "LearnableAdamRule",
+    "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "EvalTaskSet", "EvaluationChief", "GradientStore",
+    "InnerState", "Learner", "MetaTraining", "default_eval_task_sets", "evaluation_curves", "LearnableAdam", "LearnableAdamRule",
     "LearnedOptimizer", "MLPUpdateRule", "PESEstimator", "PESState", "QuadraticFamily", "QuadraticTask", "Task",
     "TaskFamily", "aggregate_losses", "antithetic_combine", "full_es_gradient", "init_inner_state",
     "make_full_es_estimator", "make_pes_estimator", "optax_train_curves", "pes_gradient", "pes_init_state",

@@ -11,12 +11,8 @@ on another worker.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
-import threading
 import time
-import traceback
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from carlskit.cluster._supervised import LongRunningTasks, secede_if_on_worker, stop_flag
 from carlskit.training._checkpoint import CheckpointStore, restore_model
 
 logger = logging.getLogger("carlskit.makers")
@@ -63,12 +60,7 @@ _LOCAL_EVENTS: dict[str, list] = {}
 def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path: str, bank: Any,
                     stop: Any, topic: str, poll_seconds: float, max_rounds: int | None) -> int:
     """The loop one slice runs (on a worker or a thread) until ``stop`` is set; returns rounds run."""
-    from distributed import secede
-
-    # Free the worker's thread slot: this task runs for as long as training does. In thread mode
-    # (no worker) there is no slot to free.
-    with contextlib.suppress(ValueError, KeyError):
-        secede()
+    secede_if_on_worker()  # runs for as long as training does; in thread mode there is no slot to free
     store = CheckpointStore(store_path, keep=None)
     current, rounds = None, 0
     while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
@@ -89,19 +81,6 @@ def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path
         _report(topic, {"slice": slice_index, "version": latest, "items": len(items),
                         "seconds": seconds, "round": rounds})
     return rounds
-
-
-class _ThreadEvent:
-    """threading.Event with the same ``is_set`` as distributed.Event, for embedded makers."""
-
-    def __init__(self):
-        self._event = threading.Event()
-
-    def is_set(self) -> bool:
-        return self._event.is_set()
-
-    def set(self) -> None:
-        self._event.set()
 
 
 class Maker:
@@ -135,16 +114,24 @@ class Maker:
         self.poll_seconds = poll_seconds
         self.workers = workers
         self.max_restarts = max_restarts
-        self.errors: list[tuple[int, str]] = []
-        self.restarts = 0
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"
         self._client = None
         self._store: CheckpointStore | None = None
         self._stop = None
-        self._running: dict[int, Any] = {}
+        self._tasks: LongRunningTasks | None = None  # the slices, supervised (restarted on failure)
+        self._past_errors: list[tuple[str, str]] = []
+        self._past_restarts = 0
         self._fn_ref: Any = None  # fn, or its Future on the cluster while running
-        self._supervisor: threading.Thread | None = None
         self._started = 0.0
+
+    @property
+    def errors(self) -> list[tuple[str, str]]:
+        """``(slice, message with traceback)`` of every failure, over all runs of this maker."""
+        return self._past_errors + (self._tasks.errors if self._tasks is not None else [])
+
+    @property
+    def restarts(self) -> int:
+        return self._past_restarts + (self._tasks.restarts if self._tasks is not None else 0)
 
     @property
     def slices(self) -> list[np.ndarray]:
@@ -153,90 +140,25 @@ class Maker:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self, checkpoints: CheckpointStore, bank: Any, client: Any = None) -> Maker:
         """Start every slice; returns self. ``client=None`` runs slices in threads here."""
-        if self._supervisor is not None:
+        if self._tasks is not None:
             raise RuntimeError(f"maker {self.name!r} is already running")
         if not isinstance(checkpoints, CheckpointStore):
             raise TypeError(f"checkpoints must be a CheckpointStore, got {type(checkpoints).__name__}")
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"  # this run's events only
         self._store, self._bank, self._client = checkpoints, bank, client
         self._started = time.time()
-        if client is None:
-            self._stop = _ThreadEvent()
-        else:
-            from distributed import Event
-
-            self._stop = Event(f"{self._topic}-stop", client=client)
-            self._stop.clear()
+        self._stop = stop_flag(client, f"{self._topic}-stop")
         # Ship fn (and the features it may hold) to the cluster once, not with every slice and restart.
         self._fn_ref = self.fn if client is None else client.scatter(self.fn, hash=False)
+        self._tasks = LongRunningTasks(client, f"maker-{self.name}", piece="slice", max_restarts=self.max_restarts)
         for index in range(self.num_slices):
-            self._launch(index)
-        self._supervisor = threading.Thread(target=self._supervise, name=f"maker-{self.name}", daemon=True)
-        self._supervisor.start()
+            # Preferred workers; a slice whose worker is lost is rerun elsewhere.
+            self._tasks.launch(str(index), run_maker_slice, self._slice_arguments(index), workers=self.workers)
         return self
 
-    def _launch(self, index: int) -> None:
-        arguments = (self._fn_ref, self.slices[index], index, self._store.path, self._bank, self._stop,
-                     self._topic, self.poll_seconds, None)
-        if self._client is None:
-            result: dict = {}
-
-            def run():
-                try:
-                    result["value"] = run_maker_slice(*arguments)
-                except BaseException as error:
-                    result["error"] = error
-                    result["traceback"] = traceback.format_exc()
-
-            thread = threading.Thread(target=run, name=f"maker-{self.name}-{index}", daemon=True)
-            thread.start()
-            self._running[index] = (thread, result)
-        else:
-            self._running[index] = self._client.submit(
-                run_maker_slice, *arguments, pure=False, workers=self.workers,
-                allow_other_workers=bool(self.workers),  # preferred workers; rerun elsewhere if lost
-                key=f"maker-{self.name}-{index}-{uuid.uuid4().hex[:8]}",
-            )
-
-    def _finished(self, index: int) -> tuple[bool, BaseException | None, str]:
-        running = self._running[index]
-        if self._client is None:
-            thread, result = running
-            if thread.is_alive():
-                return False, None, ""
-            return True, result.get("error"), result.get("traceback", "")
-        if not running.done():
-            return False, None, ""
-        if running.status == "error":
-            error = running.exception()
-            return True, error, "".join(traceback.format_tb(running.traceback()))
-        return True, None, ""
-
-    def _supervise(self) -> None:
-        try:
-            self._supervise_loop()
-        except Exception as error:  # e.g. the client was closed under us: stop supervising, say why
-            if self._client is None or self._client.status == "running":
-                logger.exception("maker %r supervisor stopped: %s", self.name, error)
-
-    def _supervise_loop(self) -> None:
-        while not self._stop.is_set():
-            for index in list(self._running):
-                done, error, trace = self._finished(index)
-                if not done or self._stop.is_set():
-                    continue
-                if error is not None:
-                    message = f"maker {self.name!r} slice {index} raised {type(error).__name__}: {error}"
-                    self.errors.append((index, f"{message}\n{trace}"))
-                    logger.error(message)
-                    print(message, file=sys.stderr, flush=True)
-                    if self.restarts >= self.max_restarts:
-                        logger.error("maker %r gave up after %d restarts", self.name, self.restarts)
-                        del self._running[index]
-                        continue
-                self.restarts += 1
-                self._launch(index)
-            time.sleep(0.2)
+    def _slice_arguments(self, index: int):
+        return lambda: (self._fn_ref, self.slices[index], index, self._store.path, self._bank, self._stop,
+                        self._topic, self.poll_seconds, None)
 
     def wait_for_version(self, version: int, timeout: float = 120.0) -> None:
         """Block until every slice has written knowledge for ``version`` or newer.
@@ -255,20 +177,11 @@ class Maker:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop every slice and wait for them to end."""
-        if self._stop is None:
+        if self._tasks is None:
             return
-        self._stop.set()
-        if self._supervisor is not None:
-            self._supervisor.join(timeout)
-        deadline = time.monotonic() + timeout
-        for running in self._running.values():
-            if self._client is None:
-                running[0].join(max(deadline - time.monotonic(), 0.1))
-            else:
-                with contextlib.suppress(Exception):  # errors were reported by the supervisor
-                    running.result(timeout=max(deadline - time.monotonic(), 0.1))
-        self._running.clear()
-        self._supervisor = None
+        self._tasks.stop(self._stop, timeout)
+        self._past_errors, self._past_restarts = self.errors, self.restarts
+        self._tasks = None
         self._fn_ref = None
 
     # -- status ----------------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""``Learner``: applies averaged, fresh-enough ES gradients to the meta-parameters (Metz et al. 2022,
+Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-process.
+
+One update (``update()``):
+
+    records  = store.take_many(max_gradients_per_update)
+    valid    = records whose grad has the meta-parameters' leaf shapes and only finite values
+    fresh    = valid records with  0 <= outer_step_learner - record.outer_step <= max_staleness
+    g        = mean over fresh of record.grad
+    theta, s = optax outer optimizer (Adam by default) applied to g;  outer_step += 1
+
+Rejected (bad shape, non-finite, from a step the learner has not reached) and stale gradients are
+counted, never applied. Meta-parameters and the outer optimizer's state are checkpointed through
+:class:`carlskit.training.CheckpointStore` (version = outer step) every
+``checkpoint_every_seconds``; a new learner over the same directory resumes from the latest one.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from carlskit.lopt._gradient_store import call
+from carlskit.lopt._rules import rule_to_config
+from carlskit.training import CheckpointStore
+
+logger = logging.getLogger("carlskit.lopt.learner")
+
+PyTree = Any
+STALENESS_BINS = 16  # staleness 0..14, and 15+ in the last bin
+FAMILY_LOSS_DECAY = 0.9
+
+
+def meta_params_structure(rule: Any) -> tuple[Any, list[tuple[int, ...]]]:
+    """Treedef and leaf shapes of ``rule``'s meta-parameters (no arrays are made)."""
+    template = jax.eval_shape(rule.init_meta_params, jax.random.PRNGKey(0))
+    leaves, treedef = jax.tree.flatten(template)
+    return treedef, [tuple(leaf.shape) for leaf in leaves]
+
+
+class Learner:
+    """Poll the gradient store, drop stale gradients, average the rest, apply the outer optimizer.
+
+    Args:
+      rule: the learned optimizer's update rule (defines the meta-parameters' structure).
+      store: a :class:`GradientStore` or its Dask actor.
+      checkpoint_path: directory (or fsspec URL) of the meta-parameter checkpoints.
+      initial_meta_params: where to start when there is no checkpoint yet (default
+        ``rule.init_meta_params(PRNGKey(seed))``).
+      outer_optimizer: optax transformation on the meta-parameters (default ``optax.adam(3e-3)``).
+      max_staleness: gradients more than this many outer steps old are dropped (paper: 5).
+      max_gradients_per_update: records taken from the store per update.
+      checkpoint_every_seconds: checkpoint period (paper: 10 minutes).
+      logdir: summaries directory (``None``: no summaries).
+    """
+
+    def __init__(self, rule: Any, store: Any, checkpoint_path: str, *, initial_meta_params: PyTree | None = None,
+                 outer_optimizer: optax.GradientTransformation | None = None, max_staleness: int = 5,
+                 max_gradients_per_update: int = 64, checkpoint_every_seconds: float = 600.0,
+                 logdir: str | None = None, seed: int = 0, keep_checkpoints: int | None = None) -> None:
+        if not isinstance(max_staleness, int) or max_staleness < 0:
+            raise ValueError(f"max_staleness must be a non-negative int, got {max_staleness!r}")
+        if not isinstance(max_gradients_per_update, int) or max_gradients_per_update < 1:
+            raise ValueError(f"max_gradients_per_update must be a positive int, got {max_gradients_per_update!r}")
+        if not checkpoint_every_seconds > 0:
+            raise ValueError(f"checkpoint_every_seconds must be > 0, got {checkpoint_every_seconds!r}")
+        self.rule, self.store = rule, store
+        self.max_staleness = max_staleness
+        self.max_gradients_per_update = max_gradients_per_update
+        self.checkpoint_every_seconds = float(checkpoint_every_seconds)
+        self.outer_optimizer = optax.adam(3e-3) if outer_optimizer is None else outer_optimizer
+        self.checkpoints = CheckpointStore(checkpoint_path, keep=keep_checkpoints)
+        self._treedef, self._shapes = meta_params_structure(rule)
+        self._lock = threading.Lock()
+        self._apply = jax.jit(self._apply_updates)
+
+        template = rule.init_meta_params(jax.random.PRNGKey(seed)) if initial_meta_params is None \
+            else jax.tree.map(jnp.asarray, initial_meta_params)
+        self._check_leaves(jax.tree.leaves(template), "initial_meta_params")
+        self.stats: dict[str, Any] = {"received": 0, "applied": 0, "dropped_stale": 0, "updates": 0,
+                                      "rejected": {"shape": 0, "non_finite": 0, "future_step": 0},
+                                      "staleness_counts": [0] * STALENESS_BINS, "family_losses": {}}
+        self.last_outer_loss = float("nan")
+        self._last_checkpoint_time = time.time()
+        latest = self.checkpoints.latest()
+        if latest is None:
+            self.meta_params, self.outer_state, self.outer_step = template, self.outer_optimizer.init(template), 0
+            self.resumed_from = None
+            self._save_checkpoint()
+        else:
+            target = {"meta_params": template, "outer_state": self.outer_optimizer.init(template)}
+            tree, metadata = self.checkpoints.load(latest, target=target)
+            self.meta_params, self.outer_state = tree["meta_params"], tree["outer_state"]
+            self.outer_step, self.resumed_from = int(latest), int(latest)
+            for name in self.stats:
+                if name in metadata.get("learner", {}):
+                    self.stats[name] = metadata["learner"][name]
+        self.last_update_seconds = self._update_seconds_total = 0.0
+        self._timed_updates = 0
+        self._accepted_times: collections.deque = collections.deque(maxlen=256)
+        self._started = time.time()
+        self._writer = None
+        if logdir is not None:
+            from carlskit.summaries import SummaryWriter
+
+            self._writer = SummaryWriter(logdir, flush_every_seconds=0.5)
+
+    # ------------------------------------------------------------------ serving workers
+    def current(self) -> tuple[int, list[np.ndarray]]:
+        """``(outer_step, leaves)``: the meta-parameters workers should estimate gradients at."""
+        with self._lock:
+            return self.outer_step, [np.asarray(leaf) for leaf in jax.tree.leaves(self.meta_params)]
+
+    def meta_params_tree(self) -> PyTree:
+        with self._lock:
+            return jax.tree.map(np.asarray, self.meta_params)
+
+    # ------------------------------------------------------------------ one update
+    def _check_leaves(self, leaves: list, argument: str) -> None:
+        shapes = [tuple(np.shape(leaf)) for leaf in leaves]
+        if shapes != self._shapes:
+            raise ValueError(f"{argument}: expected leaves of shapes {self._shapes}, got {shapes}")
+
+    def _rejection(self, record: dict) -> str | None:
+        grad = record.get("grad")
+        if not isinstance(grad, (list, tuple)) or [tuple(np.shape(g)) for g in grad] != self._shapes:
+            return "shape"
+        if not all(np.all(np.isfinite(g)) for g in grad):
+            return "non_finite"
+        if int(record.get("outer_step", -1)) > self.outer_step:
+            return "future_step"  # computed at a step this (restarted) learner has not reached
+        return None
+
+    def _apply_updates(self, meta_params, outer_state, grad):
+        updates, outer_state = self.outer_optimizer.update(grad, outer_state, meta_params)
+        return optax.apply_updates(meta_params, updates), outer_state
+
+    def update(self) -> dict[str, Any]:
+        """Take a batch from the store and apply one outer step if any gradient is fresh enough.
+
+        Returns this update's figures: ``taken``, ``applied``, ``dropped_stale``, ``rejected``,
+        ``outer_step``, ``seconds`` (learner overhead: validation, averaging, optimizer, checkpoint).
+        """
+        records = call(self.store, "take_many", self.max_gradients_per_update)
+        with self._lock:
+            started = time.perf_counter()
+            fresh, rejected, stale, staleness = [], 0, 0, []
+            for record in records:
+                reason = self._rejection(record)
+                if reason is not None:
+                    rejected += 1
+                    self.stats["rejected"][reason] += 1
+                    logger.warning("learner rejected gradient %s from worker %s: %s", record.get("id"),
+                                   record.get("worker"), reason)
+                    continue
+                age = self.outer_step - int(record["outer_step"])
+                staleness.append(age)
+                self.stats["received"] += 1
+                self.stats["staleness_counts"][min(age, STALENESS_BINS - 1)] += 1
+                if age > self.max_staleness:
+                    stale += 1
+                    continue
+                fresh.append(record)
+            self.stats["dropped_stale"] += stale
+            if fresh:
+                leaves = [np.mean([np.asarray(r["grad"][i], np.float32) for r in fresh], axis=0)
+                          for i in range(len(self._shapes))]
+                grad = jax.tree.unflatten(self._treedef, leaves)
+                self.meta_params, self.outer_state = self._apply(self.meta_params, self.outer_state, grad)
+                jax.block_until_ready(self.meta_params)
+                self.outer_step += 1
+                self.stats["applied"] += len(fresh)
+                self.stats["updates"] += 1
+                self.last_outer_loss = float(np.mean([r["outer_loss"] for r in fresh]))
+                for record in fresh:
+                    family = self.stats["family_losses"].setdefault(record["task_family"], {"loss": None, "count": 0})
+                    loss = float(record["outer_loss"])
+                    family["loss"] = loss if family["loss"] is None else (
+                        FAMILY_LOSS_DECAY * family["loss"] + (1 - FAMILY_LOSS_DECAY) * loss)
+                    family["count"] += 1
+                now = time.time()
+                self._accepted_times.extend([now] * len(fresh))
+            if self._due_for_checkpoint():
+                self._save_checkpoint()
+            seconds = time.perf_counter() - started
+            if records:
+                self.last_update_seconds = seconds
+                self._update_seconds_total += seconds
+                self._timed_updates += 1
+            result = {"taken": len(records), "applied": len(fresh), "dropped_stale": stale, "rejected": rejected,
+                      "outer_step": self.outer_step, "seconds": seconds}
+        if fresh:
+            self._log_summaries(staleness)
+        return result
+
+    # ------------------------------------------------------------------ checkpoints
+    def _due_for_checkpoint(self) -> bool:
+        latest = self.checkpoints.latest()
+        return (latest is None or self.outer_step > latest) and \
+            time.time() - self._last_checkpoint_time >= self.checkpoint_every_seconds
+
+    def _save_checkpoint(self) -> int:
+        metadata = {"learner": self.stats, "outer_step": self.outer_step, "rule": rule_to_config(self.rule),
+                    "outer_loss": self.last_outer_loss if np.isfinite(self.last_outer_loss) else None}
+        self.checkpoints.save({"meta_params": self.meta_params, "outer_state": self.outer_state},
+                              version=self.outer_step, metadata=metadata)
+        self._last_checkpoint_time = time.time()
+        return self.outer_step
+
+    def checkpoint_now(self) -> int | None:
+        """Write a checkpoint if the outer step moved since the last one; returns the latest version."""
+        with self._lock:
+            latest = self.checkpoints.latest()
+            if latest is None or self.outer_step > latest:
+                return self._save_checkpoint()
+            return latest
+
+    # ------------------------------------------------------------------ reporting
+    def gradients_per_second(self, window_seconds: float = 10.0) -> float:
+        now = time.time()
+        recent = [t for t in self._accepted_times if now - t <= window_seconds]
+        span = min(window_seconds, now - self._started)
+        return len(recent) / span if span > 0 else 0.0
+
+    def _log_summaries(self, staleness: list[int]) -> None:
+        if self._writer is None:
+            return
+        step = self.outer_step
+        received = max(self.stats["received"], 1)
+        self._writer.scalar("learner/outer_loss", self.last_outer_loss, step)
+        self._writer.scalar("learner/gradients_per_second", self.gradients_per_second(), step)
+        self._writer.scalar("learner/dropped_fraction", self.stats["dropped_stale"] / received, step)
+        self._writer.scalar("learner/update_seconds", self.last_update_seconds, step)
+        self._writer.array("learner/staleness", np.asarray(staleness, np.float64), step, bins=STALENESS_BINS)
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            received = self.stats["received"]
+            return {"outer_step": self.outer_step, "resumed_from": self.resumed_from,
+                    "outer_loss": self.last_outer_loss, "gradients_per_second": self.gradients_per_second(),
+                    "received": received, "applied": self.stats["applied"],
+                    "dropped_stale": self.stats["dropped_stale"],
+                    "dropped_fraction": self.stats["dropped_stale"] / received if received else 0.0,
+                    "rejected": dict(self.stats["rejected"]),
+                    "staleness_counts": list(self.stats["staleness_counts"]),
+                    "family_losses": {k: dict(v) for k, v in self.stats["family_losses"].items()},
+                    "update_seconds": self.last_update_seconds,
+                    "mean_update_seconds": self._update_seconds_total / max(self._timed_updates, 1),
+                    "update_seconds_total": self._update_seconds_total, "timed_updates": self._timed_updates,
+                    "latest_checkpoint": self.checkpoints.latest()}
+
+    def close(self) -> None:
+        """Checkpoint the latest meta-parameters and flush summaries."""
+        self.checkpoint_now()
+        if self._writer is not None:
+            self._writer.close()
