@@ -18,12 +18,14 @@ _EXPORTS = {
     "KnowledgeBank": "carlskit.bank",
     "CheckpointStore": "carlskit.training",
     "Trainer": "carlskit.training",
+    "BankNegatives": "carlskit.training",
     "Maker": "carlskit.makers",
     "EmbeddingMaker": "carlskit.makers",
     "NeighborMaker": "carlskit.makers",
     "LabelMaker": "carlskit.makers",
     "MoEModel": "carlskit.moe",
     "LearnedOptimizer": "carlskit.lopt",
+    "MetaTraining": "carlskit.lopt",
     "SummaryWriter": "carlskit.summaries",
     "SummaryReader": "carlskit.summaries",
 }
@@ -35,11 +37,11 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit import widgets
     from carlskit.bank import KnowledgeBank
     from carlskit.cluster import connect, devices
-    from carlskit.lopt import LearnedOptimizer
+    from carlskit.lopt import LearnedOptimizer, MetaTraining
     from carlskit.makers import EmbeddingMaker, LabelMaker, Maker, NeighborMaker
     from carlskit.moe import MoEModel
     from carlskit.summaries import SummaryReader, SummaryWriter
-    from carlskit.training import CheckpointStore, Trainer
+    from carlskit.training import BankNegatives, CheckpointStore, Trainer
 
 
 def __getattr__(name: str) -> Any:
