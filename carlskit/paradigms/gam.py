@@ -21,7 +21,7 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
 
 Command line (prints one JSON object as its last line)::
 
-    python -m carlskit.paradigms.gam --data cora.npz [--seed S] [--workers N] [--rounds R]
+    python -m carlskit.paradigms.gam --data cora.npz [--seed S] [--workers N] [--rounds R] [--steps N]
 """
 
 from __future__ import annotations
@@ -98,6 +98,11 @@ class GAMConfig:
     agreement_learning_rate: float = 0.003
     self_labels_per_round: int = 200
     confidence_threshold: float = 0.0
+    row_normalize: bool = True  # bag-of-words features (Planetoid); False for dense features (digits)
+
+
+# For digits with a 5-nearest-neighbour feature graph (``with_knn_edges``): pixel features as they are.
+DIGITS_CONFIG = GAMConfig(row_normalize=False, dropout=0.2, hidden=256, neighbors=8)
 
 
 def agreement_loss_fn(model: AgreementModel, batch: dict) -> tuple[jax.Array, dict]:
@@ -158,11 +163,26 @@ def select_self_labels(labels: np.ndarray, confidence: np.ndarray, count: int, t
     return np.sort(np.concatenate(chosen)).astype(np.int64)
 
 
+def with_knn_edges(data: Dataset, k: int = 5) -> Dataset:
+    """``data`` with a graph of each item's ``k`` nearest neighbours by cosine similarity of its
+    features (for data sets without a given graph, e.g. digits); edges are undirected, deduplicated."""
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    features = data.features / np.maximum(np.linalg.norm(data.features, axis=1, keepdims=True), 1e-12)
+    similarity = features @ features.T
+    np.fill_diagonal(similarity, -np.inf)
+    nearest = np.argsort(-similarity, axis=1)[:, :k]
+    pairs = np.stack([np.repeat(np.arange(data.num_items), k), nearest.ravel()], axis=1)
+    edges = np.unique(np.sort(pairs, axis=1), axis=0).astype(np.int64)
+    return replace(data, name=f"{data.name}-knn{k}", edges=edges)
+
+
 def train(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
           workdir: str | None = None, progress: bool = False, live: bool = False) -> dict:
     """Co-train the agreement model and the classifier for ``config.rounds`` rounds with the bank
     and three makers (embeddings, agreement weights, self-labels). Returns accuracies per round,
-    the self-labels' accuracy, maker statuses and both trainers' histories."""
+    the self-labels' accuracy, maker statuses and both trainers' histories. ``live`` displays one
+    plot of both losses and the per-round validation accuracy, updated while training (notebooks)."""
     if data.edges is None:
         raise ValueError("GAM needs a graph: data.edges is None")
     with tempfile.TemporaryDirectory(prefix="carlskit-gam-") as scratch:
@@ -175,7 +195,7 @@ def train(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None
 
 def _co_train(data, config, bank, client, slices, workdir, seed, progress, live) -> dict:
     started = time.perf_counter()
-    features = _features(data)
+    features = _features(data) if config.row_normalize else data.features
     make_classifier = functools.partial(MLP, data.num_features, config.hidden, data.num_classes,
                                         dropout=config.dropout, seed=seed)
     make_agreement = functools.partial(AgreementModel, data.num_features, config.agreement_hidden,
@@ -211,23 +231,27 @@ def _co_train(data, config, bank, client, slices, workdir, seed, progress, live)
     working_labels = np.maximum(data.labels, 0).copy()
     labelled = data.train_idx.copy()
     rounds = []
+    refresh = _live_view(classifier, agreement, rounds) if live else (lambda force=False: None)
     try:
         makers["embeddings"][0].wait_for_version(0)
         for round_index in range(config.rounds):
             round_seed = seed * 1000 + round_index
-            agreement.fit(agreement_batches(features, working_labels, labelled, config.agreement_batch_size,
-                                            round_seed), config.agreement_steps, progress=progress, live=live)
+            pairs = agreement_batches(features, working_labels, labelled, config.agreement_batch_size, round_seed)
+            agreement.fit(functools.partial(_observed, pairs, refresh), config.agreement_steps,
+                          progress=progress, live=False)
             agreement.save_checkpoint()
             makers["agreement"][0].wait_for_version(agreement.step)
             source = batches(replace(data, labels=working_labels, train_idx=labelled), features, config,
                              round_seed, config.multiplier)
-            classifier.fit(functools.partial(_with_degree, source, degree), config.classifier_steps, progress=progress, live=live)
+            classifier.fit(functools.partial(_observed, functools.partial(_with_degree, source, degree), refresh),
+                           config.classifier_steps, progress=progress, live=False)
             classifier.save_checkpoint()
             makers["self_labels"][0].wait_for_version(classifier.step)
             added = _accept_self_labels(bank, data, config, unlabelled, labelled, working_labels)
             labelled = np.union1d(labelled, added)
             rounds.append(_round_record(round_index, classifier, agreement, data, features, labelled,
                                         working_labels, added))
+            refresh(force=True)
     finally:
         for maker, _ in makers.values():
             maker.stop()
@@ -235,13 +259,42 @@ def _co_train(data, config, bank, client, slices, workdir, seed, progress, live)
     if errors:
         raise RuntimeError(f"a maker failed: {errors[0]}")
     versions = bank.row_metadata("nbrs", items)["version"]
+    edges, _ = bank.lookup("nbrs", items)
     return {"test_acc": accuracy(classifier.model, features, data.labels, data.test_idx),
             "val_acc": accuracy(classifier.model, features, data.labels, data.val_idx),
             "steps": classifier.step, "agreement_steps": agreement.step, "rounds": rounds,
             "seconds": time.perf_counter() - started, "history": classifier.history,
             "agreement_history": agreement.history, "agreement_version": int(versions.min()),
             "missing_neighbors": int(classifier.knowledge.missing_total),
+            "neighbor_ids": edges["ids"], "agreement_weights": edges["weights"], "labelled": labelled,
             "maker_status": {name: maker.status() for name, (maker, _) in makers.items()}}
+
+
+def _live_view(classifier: Trainer, agreement: Trainer, rounds: list[dict]):
+    """Display one LivePlot of both trainers' losses and the per-round validation accuracy;
+    returns ``refresh(force=False)``, cheap to call every step (it renders at most once a second)."""
+    from IPython.display import display
+
+    from carlskit.widgets import LivePlot
+
+    plot = LivePlot("GAM co-training", width_inches=10.0)
+    display(plot.widget)
+
+    def curve(records: list[dict], x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
+        records = list(records)  # a snapshot: the training thread appends while we draw
+        return np.array([r[x] for r in records]), np.array([r[y] for r in records])
+
+    def refresh(force: bool = False) -> None:
+        plot.update({"classifier loss": curve(classifier.history, "step", "loss"),
+                     "agreement loss": curve(agreement.history, "step", "loss"),
+                     "validation accuracy (per round)": curve(rounds, "step", "val_acc")}, force=force)
+
+    return refresh
+
+
+def _observed(source, refresh, step: int) -> dict:
+    refresh()
+    return source(step)
 
 
 def _with_degree(source, degree: np.ndarray, step: int) -> dict:
@@ -299,10 +352,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=0, help="Dask workers; 0 runs everything in-process")
     parser.add_argument("--rounds", type=int, default=None)
+    parser.add_argument("--steps", type=int, default=None, help="classifier and agreement steps per round")
     parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     data = load_data(args.data, 0.05, args.seed)
-    config = GAMConfig() if args.rounds is None else replace(GAMConfig(), rounds=args.rounds)
+    config = replace(GAMConfig(), **({"rounds": args.rounds} if args.rounds else {}),
+                     **({"classifier_steps": args.steps, "agreement_steps": args.steps} if args.steps else {}))
     return run_and_print(args.workers, lambda client, num_shards: compare(
         data, config, seed=args.seed, client=client, num_shards=num_shards, progress=args.progress))
 
