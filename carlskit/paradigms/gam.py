@@ -97,7 +97,7 @@ class GAMConfig:
     agreement_batch_size: int = 256
     agreement_learning_rate: float = 0.003
     self_labels_per_round: int = 200
-    confidence_threshold: float = 0.0
+    confidence_threshold: float = 0.8  # Cora validation, seed 1: 0.800 vs 0.770 at 0.0
     row_normalize: bool = True  # bag-of-words features (Planetoid); False for dense features (digits)
 
 
