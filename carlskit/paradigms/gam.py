@@ -323,7 +323,8 @@ def _round_record(round_index, classifier, agreement, data, features, labelled, 
             "val_acc": accuracy(classifier.model, features, data.labels, data.val_idx),
             "test_acc": accuracy(classifier.model, features, data.labels, data.test_idx),
             "agreement_train_acc": last["agreement_acc"], "added": len(added), "labelled": len(labelled),
-            "self_label_acc": float(np.mean(working_labels[self_labelled][known] == true[known])) if known.any() else None}
+            "self_label_acc": float(np.mean(working_labels[self_labelled][known] == true[known]))
+            if known.any() else None}
 
 
 def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
@@ -339,7 +340,7 @@ def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = No
     return {
         "data": data.name, "base_test_acc": base["test_acc"], "gam_test_acc": gam["test_acc"],
         "base_val_acc": base["val_acc"], "gam_val_acc": gam["val_acc"],
-        "rounds": [{k: v for k, v in r.items()} for r in gam["rounds"]],
+        "rounds": gam["rounds"],
         "steps": gam["steps"], "agreement_steps": gam["agreement_steps"],
         "seconds": base["seconds"] + gam["seconds"], "missing_neighbors": gam["missing_neighbors"],
         "config": asdict(config), "seed": seed,

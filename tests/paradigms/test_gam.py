@@ -81,11 +81,13 @@ def test_self_labels_are_taken_only_above_the_threshold_balanced_over_classes():
 
 def test_the_regularizer_weighs_each_neighbour_by_its_agreement():
     model = gam.MLP(4, 8, 3, dropout=0.0, seed=0)
-    batch = {"features": np.eye(4, dtype=np.float32)[:2], "labels": np.array([0, 1]), "labelled": np.array([True, False]),
+    batch = {"features": np.eye(4, dtype=np.float32)[:2], "labels": np.array([0, 1]),
+             "labelled": np.array([True, False]),
              "neighbor_embeddings": np.array([[[1, 0, 0], [0, 1, 0]], [[0, 0, 1], [0, 0, 0]]], np.float32),
              "degree": np.array([2.0, 1.0], np.float32), "multiplier": np.float32(1.0)}
     zero, _ = gam.classifier_loss_fn(model, {**batch, "neighbor_weights": np.zeros((2, 2), np.float32)}, distance="l2")
-    supervised, _ = gam.classifier_loss_fn(model, {k: batch[k] for k in ("features", "labels", "labelled")}, distance="l2")
+    plain = {k: batch[k] for k in ("features", "labels", "labelled")}
+    supervised, _ = gam.classifier_loss_fn(model, plain, distance="l2")
     np.testing.assert_allclose(zero, supervised, rtol=1e-6)
     present = np.array([[1, 1], [1, 0]], np.float32)  # the second item has one neighbour and padding
     half, metrics = gam.classifier_loss_fn(model, {**batch, "neighbor_weights": 0.5 * present}, distance="l2")
