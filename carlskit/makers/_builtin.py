@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -108,6 +109,48 @@ class LabelMaker(EmbeddingMaker):
         records = {"label": mined["label"].astype(np.int64)[:, None],
                    "confidence": np.clip(mined["confidence"].astype(np.float32), 0.0, 1.0)[:, None]}
         context.bank.update(self.table, context.items, records, version=context.version)
+
+
+class AgreementMaker(EmbeddingMaker):
+    """Score every edge of a graph with the latest agreement model (GAM, CARLS section 4.2.2).
+
+    ``model_factory()`` builds an agreement model with ``embed(features) -> [n, H]`` (a
+    dropout-free encoder) and ``agreement(h_left, h_right) -> [...]`` (the probability that two
+    items share a label, in [0, 1]). ``neighbor_ids`` [num_items, W] int64 (padded with -1) is the
+    graph. Each round encodes the slice's items and their neighbours once, then writes records
+    ``{"ids": [W] int64, "weights": [W] float32}`` with ``weights_ik = agreement(i, ids_ik)`` (0 for
+    padding) to the feature table ``table`` (create it with ``AgreementMaker.schema(W)``), so a
+    :class:`~carlskit.training.NeighborKnowledge` stage serves agreement-weighted neighbours.
+    """
+
+    def __init__(self, model_factory: Callable[[], nnx.Module], features: np.ndarray, neighbor_ids: np.ndarray,
+                 *, table: str = "nbrs", batch_size: int = 1024):
+        neighbor_ids = np.asarray(neighbor_ids)
+        if neighbor_ids.ndim != 2 or neighbor_ids.shape[0] != len(features) or \
+                not np.issubdtype(neighbor_ids.dtype, np.integer):
+            raise ValueError(f"neighbor_ids must be an int array [{len(features)}, W], got "
+                             f"{neighbor_ids.dtype} {neighbor_ids.shape}")
+        super().__init__(model_factory, _embed, features, table=table, batch_size=batch_size)
+        self.neighbor_ids = neighbor_ids.astype(np.int64)
+
+    @staticmethod
+    def schema(width: int) -> dict[str, tuple[str, int]]:
+        return {"ids": ("int64", width), "weights": ("float32", width)}
+
+    def _encode_items(self, context: MakerContext) -> None:
+        ids = self.neighbor_ids[context.items]
+        real = ids >= 0
+        needed = np.unique(np.concatenate([context.items, ids[real]]))
+        hidden = next(iter(self._encode_all(dataclasses.replace(context, items=needed)).values()))
+        left = hidden[np.searchsorted(needed, context.items)][:, None, :]
+        right = hidden[np.searchsorted(needed, np.where(real, ids, needed[0]))]
+        scores = np.asarray(self._model.agreement(left, right), np.float32)
+        weights = np.where(real, np.clip(scores, 0.0, 1.0), 0.0).astype(np.float32)
+        context.bank.update(self.table, context.items, {"ids": ids, "weights": weights}, version=context.version)
+
+
+def _embed(model: nnx.Module, features: Any) -> Any:
+    return model.embed(features)
 
 
 class NeighborMaker:

@@ -120,8 +120,10 @@ def noisy_digits(config: LabelMiningConfig, seed: int) -> tuple[Dataset, np.ndar
 
 
 def train(data: Dataset, noisy: np.ndarray, config: LabelMiningConfig, *, mining: bool, seed: int = 0,
-          client: Any = None, num_shards: int = 1, workdir: str | None = None, progress: bool = False) -> dict:
-    """Train one MLP on the noisy labels; with ``mining`` a label maker and the bank run beside it."""
+          client: Any = None, num_shards: int = 1, workdir: str | None = None, progress: bool = False,
+          live: bool = False) -> dict:
+    """Train one MLP on the noisy labels; with ``mining`` a label maker and the bank run beside it.
+    ``live`` shows the trainer's live loss plot (notebooks)."""
     make_model = functools.partial(MLP, data.num_features, config.hidden, data.num_classes,
                                    dropout=config.dropout, seed=seed)
     model = make_model()
@@ -130,7 +132,7 @@ def train(data: Dataset, noisy: np.ndarray, config: LabelMiningConfig, *, mining
     source = batches(data, data.features, noisy, config, seed, mining)
     if not mining:
         trainer = Trainer(model, optimizer, loss_fn)
-        trainer.fit(source, config.steps, progress=progress, live=False)
+        trainer.fit(source, config.steps, progress=progress, live=live)
         return _result(trainer, data, started, {})
     with tempfile.TemporaryDirectory(prefix="carlskit-label-mining-") as scratch:
         bank = KnowledgeBank(client=client, num_shards=num_shards)
@@ -145,7 +147,7 @@ def train(data: Dataset, noisy: np.ndarray, config: LabelMiningConfig, *, mining
             maker.start(store, bank, client)
             try:
                 maker.wait_for_version(0)
-                trainer.fit(source, config.steps, progress=progress, live=False)
+                trainer.fit(source, config.steps, progress=progress, live=live)
             finally:
                 maker.stop()
             if maker.status()["errors"]:
