@@ -23,6 +23,7 @@ _EXPORTS = {
     "EmbeddingMaker": "carlskit.makers",
     "NeighborMaker": "carlskit.makers",
     "LabelMaker": "carlskit.makers",
+    "AgreementMaker": "carlskit.makers",
     "MoEModel": "carlskit.moe",
     "LearnedOptimizer": "carlskit.lopt",
     "MetaTraining": "carlskit.lopt",
@@ -38,7 +39,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit.bank import KnowledgeBank
     from carlskit.cluster import connect, devices
     from carlskit.lopt import LearnedOptimizer, MetaTraining
-    from carlskit.makers import EmbeddingMaker, LabelMaker, Maker, NeighborMaker
+    from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker, NeighborMaker
     from carlskit.moe import MoEModel
     from carlskit.summaries import SummaryReader, SummaryWriter
     from carlskit.training import BankNegatives, CheckpointStore, Trainer
