@@ -54,16 +54,21 @@ def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_ke
     """
     data_key = jax.random.fold_in(task_key, 1)
 
-    def body(carry: InnerState, batch):
-        loss, grads = jax.value_and_grad(task.loss)(carry.params, batch, task_params)
-        updates, opt_state = rule.update(meta_params, carry.opt_state, grads, carry.params, time_scale)
-        params = jax.tree.map(lambda p, u: p + u, carry.params, updates)
-        return InnerState(params, opt_state, carry.step + 1), loss
-
     def run(carry: InnerState, length: int) -> tuple[InnerState, jax.Array]:
         steps = carry.step + jnp.arange(length, dtype=carry.step.dtype)
         batches = jax.vmap(lambda t: task.batch(jax.random.fold_in(data_key, t), task_params))(steps)
-        return jax.lax.scan(body, carry, batches)
+
+        def body(carry: InnerState, index: jax.Array):
+            # ``index`` is the scan's own counter, never batched: under vmap the minibatch is a
+            # plain slice of ``batches`` (scanning over ``batches`` itself would first transpose
+            # them to put the step axis in front of the vmapped axis).
+            batch = jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, index, keepdims=False), batches)
+            loss, grads = jax.value_and_grad(task.loss)(carry.params, batch, task_params)
+            updates, opt_state = rule.update(meta_params, carry.opt_state, grads, carry.params, time_scale)
+            params = jax.tree.map(lambda p, u: p + u, carry.params, updates)
+            return InnerState(params, opt_state, carry.step + 1), loss
+
+        return jax.lax.scan(body, carry, jnp.arange(length))
 
     chunk = _prefetch_length(task, task_params, num_steps)
     num_chunks, rest = divmod(num_steps, chunk)

@@ -137,9 +137,11 @@ class MLPUpdateRule:
         bias = time_features @ first[npf:] + jnp.concatenate([layers[0]["b"], jnp.zeros((2,), jnp.float32)])
         first_out = first[:npf].T @ features + bias[:, None]  # [width + 2, n]
         hidden, skip_out = first_out[:width], first_out[width:]
-        for layer in layers[1:]:
+        for layer in layers[1:-1]:
             hidden = layer["w"].T @ jax.nn.relu(hidden) + layer["b"][:, None]
-        out = hidden + skip_out  # [2, n]: direction, magnitude
+        last = layers[-1]
+        out = last["w"].T @ jax.nn.relu(hidden)
+        out = out + last["b"][:, None] + skip_out  # [2, n]: direction, magnitude
         steps = out[0] * jnp.exp(self.exp_mult * out[1]) * self.step_mult
         updates, offset = [], 0
         for p in flat_params:
