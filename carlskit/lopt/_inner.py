@@ -38,10 +38,12 @@ _PREFETCH_BYTES = 4 << 20
 
 
 def _prefetch_length(task: Any, task_params: PyTree, num_steps: int) -> int:
-    """Inner steps whose minibatches are drawn together (at least 1, at most ``num_steps``)."""
+    """Inner steps whose minibatches are drawn together: the largest divisor of ``num_steps`` whose
+    minibatches fit in ``_PREFETCH_BYTES`` (a divisor, so the loop body is compiled once)."""
     shapes = jax.eval_shape(task.batch, jax.random.PRNGKey(0), task_params)
     batch_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
-    return max(1, min(num_steps, _PREFETCH_BYTES // max(batch_bytes, 1)))
+    limit = max(1, _PREFETCH_BYTES // max(batch_bytes, 1))
+    return max((d for d in range(1, min(num_steps, limit) + 1) if num_steps % d == 0), default=1)
 
 
 def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_key: jax.Array,
@@ -50,7 +52,7 @@ def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_ke
 
     Step ``t``: ``l_t, g_t = value_and_grad(loss)(p_t, batch_t)``; ``p_{t+1} = p_t + update(g_t)``,
     ``batch_t = task.batch(fold_in(fold_in(task_key, 1), t))``. The minibatches of a chunk of steps
-    are drawn together before that chunk's ``lax.scan`` (same values as drawing them step by step).
+    (all of them for short unrolls) are drawn together before that chunk's ``lax.scan`` (same values as drawing them step by step).
     """
     data_key = jax.random.fold_in(task_key, 1)
 
@@ -71,16 +73,10 @@ def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_ke
         return jax.lax.scan(body, carry, jnp.arange(length))
 
     chunk = _prefetch_length(task, task_params, num_steps)
-    num_chunks, rest = divmod(num_steps, chunk)
-    if num_chunks == 1:
-        state, losses = run(state, chunk)
-    else:
-        state, losses = jax.lax.scan(lambda carry, _: run(carry, chunk), state, None, length=num_chunks)
-        losses = losses.reshape(-1)
-    if rest:
-        state, rest_losses = run(state, rest)
-        losses = jnp.concatenate([losses, rest_losses])
-    return state, losses
+    if chunk == num_steps:
+        return run(state, num_steps)
+    state, losses = jax.lax.scan(lambda carry, _: run(carry, chunk), state, None, length=num_steps // chunk)
+    return state, losses.reshape(-1)
 
 
 def aggregate_losses(losses: jax.Array, aggregation: str) -> jax.Array:
