@@ -31,9 +31,10 @@ def tanh_time_features(step: jax.Array) -> jax.Array:
     return jnp.tanh(step / jnp.asarray(TIME_SCALES, jnp.float32) - 1.0)
 
 
-def second_moment_normalize(features: jax.Array, epsilon: float = 1e-5) -> jax.Array:
-    """``x * rsqrt(mean(x^2) + eps)`` per feature over all entries of a tensor (last axis = feature)."""
-    axes = tuple(range(features.ndim - 1))
+def second_moment_normalize(features: jax.Array, epsilon: float = 1e-5, feature_axis: int = -1) -> jax.Array:
+    """``x * rsqrt(mean(x^2) + eps)`` per feature over all entries of a tensor (``feature_axis`` = feature)."""
+    feature_axis = feature_axis % features.ndim
+    axes = tuple(a for a in range(features.ndim) if a != feature_axis)
     return features * jax.lax.rsqrt(jnp.mean(jnp.square(features), axis=axes, keepdims=True) + epsilon)
 
 
@@ -100,34 +101,48 @@ class MLPUpdateRule:
         return {"momenta": momenta, "step": jnp.zeros((), jnp.int32)}
 
     def _features(self, grad, param, momenta):
-        """Per-entry features ``[n, 2 + len(decays)]`` of one tensor and its new momenta."""
+        """Features ``[2 + len(decays), n]`` of one tensor's ``n`` entries (feature-major) and its new momenta.
+
+        Feature-major rows are contiguous, so stacking needs no interleaving and each row's
+        normalisation is one reduction over a contiguous row.
+        """
         grad = jnp.asarray(grad, jnp.float32)
         decays = jnp.asarray(self.decays, jnp.float32).reshape((-1,) + (1,) * grad.ndim)
         momenta = decays * momenta + (1.0 - decays) * grad
-        per_param = jnp.stack([grad, jnp.asarray(param, jnp.float32), *momenta], axis=-1)
-        return second_moment_normalize(per_param).reshape(-1, self.num_param_features), momenta
+        per_param = jnp.concatenate([grad.reshape(1, -1), jnp.asarray(param, jnp.float32).reshape(1, -1),
+                                     momenta.reshape(len(self.decays), -1)], axis=0)
+        return second_moment_normalize(per_param, feature_axis=0), momenta
 
     def update(self, meta_params: PyTree, state: PyTree, grads: PyTree, params: PyTree,
                time_scale: float | jax.Array = 1.0) -> tuple[PyTree, PyTree]:
         """One optimizer step for every leaf of ``params``; returns ``(updates, new_state)``.
 
-        Features are normalised tensor by tensor, then all entries go through the MLP at once.
+        Features are normalised tensor by tensor, then the entries of all tensors go through the
+        MLP together, as one matmul per layer in feature-major layout ``h_{l+1} = W_l^T relu(h_l)``
+        (``[width, n]``: the long axis ``n`` is the fast one, which CPU matmul kernels need; the
+        entry-major layout ``[n, width]`` made the 2-wide output and skip layers the slowest ops).
+        The skip path shares the first matmul (its weights are appended as 2 extra output rows).
         """
         time_features = tanh_time_features(state["step"].astype(jnp.float32) * time_scale)
         treedef = jax.tree.structure(params)
         flat_params = treedef.flatten_up_to(params)
         pairs = [self._features(g, p, m) for g, p, m in zip(treedef.flatten_up_to(grads), flat_params,
                                                             treedef.flatten_up_to(state["momenta"]))]
-        features = jnp.concatenate([f for f, _ in pairs], axis=0)
+        features = jnp.concatenate([f for f, _ in pairs], axis=1)  # [num_param_features, n]
         layers, skip = meta_params["layers"], meta_params["skip"]
-        npf = self.num_param_features
+        npf, width = self.num_param_features, layers[0]["w"].shape[1]
+        first = jnp.concatenate([layers[0]["w"], skip], axis=1)  # [num_features, width + 2]
         # The time features are the same for every entry: their part of the first layer and of the
         # skip path is one shared bias vector.
-        hidden = features @ layers[0]["w"][:npf] + (time_features @ layers[0]["w"][npf:] + layers[0]["b"])
-        for layer in layers[1:]:
-            hidden = jax.nn.relu(hidden) @ layer["w"] + layer["b"]
-        out = hidden + features @ skip[:npf] + time_features @ skip[npf:]
-        steps = out[:, 0] * jnp.exp(self.exp_mult * out[:, 1]) * self.step_mult
+        bias = time_features @ first[npf:] + jnp.concatenate([layers[0]["b"], jnp.zeros((2,), jnp.float32)])
+        first_out = first[:npf].T @ features + bias[:, None]  # [width + 2, n]
+        hidden, skip_out = first_out[:width], first_out[width:]
+        for layer in layers[1:-1]:
+            hidden = layer["w"].T @ jax.nn.relu(hidden) + layer["b"][:, None]
+        last = layers[-1]
+        out = last["w"].T @ jax.nn.relu(hidden)
+        out = out + last["b"][:, None] + skip_out  # [2, n]: direction, magnitude
+        steps = out[0] * jnp.exp(self.exp_mult * out[1]) * self.step_mult
         updates, offset = [], 0
         for p in flat_params:
             size = int(np.prod(jnp.shape(p), dtype=np.int64))

@@ -92,3 +92,37 @@ def test_rule_validates_configuration():
         MLPUpdateRule(hidden_sizes=())
     with pytest.raises(ValueError, match="decays"):
         MLPUpdateRule(decays=(1.5,))
+
+
+def test_mlp_rule_matches_per_entry_formula():
+    # NumPy reference of the docstring, entry by entry: features [g, p, m_k] each divided by its
+    # RMS over the tensor, time features tanh(t/s - 1), MLP + linear skip, step d * exp(a/1000) / 1000.
+    from carlskit.lopt._rules import TIME_SCALES
+
+    rule = MLPUpdateRule(hidden_sizes=(8, 8))
+    meta = jax.tree.map(np.asarray, rule.init_meta_params(jax.random.PRNGKey(2)))
+    meta["skip"] = meta["skip"] + np.random.default_rng(0).normal(size=meta["skip"].shape).astype(np.float32)
+    rng = np.random.default_rng(1)
+    params = {"w": rng.normal(size=(3, 5)).astype(np.float32), "b": rng.normal(size=(5,)).astype(np.float32)}
+    grads = jax.tree.map(lambda p: rng.normal(size=p.shape).astype(np.float32), params)
+    state = rule.init_state(params)
+    state = {"momenta": jax.tree.map(lambda m: rng.normal(size=m.shape).astype(np.float32), state["momenta"]),
+             "step": jnp.asarray(7, jnp.int32)}
+    updates, new_state = jax.jit(rule.update)(meta, state, grads, params)
+    time_features = np.tanh(7.0 / np.asarray(TIME_SCALES) - 1.0)
+    decays = np.asarray(rule.decays)[:, None]
+    for name in params:
+        g, p = grads[name].reshape(-1), params[name].reshape(-1)
+        momenta = decays * np.asarray(state["momenta"][name]).reshape(len(rule.decays), -1) + (1 - decays) * g
+        rows = np.concatenate([g[None], p[None], momenta])
+        rows = rows / np.sqrt(np.mean(rows**2, axis=1, keepdims=True) + 1e-5)
+        for i in range(g.size):
+            x = np.concatenate([rows[:, i], time_features])
+            h = x
+            for layer in meta["layers"][:-1]:
+                h = np.maximum(h @ layer["w"] + layer["b"], 0.0)
+            out = h @ meta["layers"][-1]["w"] + meta["layers"][-1]["b"] + x @ meta["skip"]
+            want = -out[0] * np.exp(1e-3 * out[1]) * 1e-3
+            np.testing.assert_allclose(np.asarray(updates[name]).reshape(-1)[i], want, rtol=1e-4, atol=1e-8)
+        np.testing.assert_allclose(np.asarray(new_state["momenta"][name]).reshape(len(rule.decays), -1), momenta,
+                                   rtol=1e-5, atol=1e-6)
