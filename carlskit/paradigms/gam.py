@@ -42,7 +42,7 @@ from flax import nnx
 from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, neighbors_from_edges
 from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker
-from carlskit.paradigms._cli import run_and_print
+from carlskit.paradigms._cli import makers_running, run_and_print
 from carlskit.paradigms.graph_reg import MLP, _features, accuracy, batches, encode, load_data
 from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer, graph_regularization, masked_cross_entropy
 
@@ -226,14 +226,11 @@ def _co_train(data, config, bank, client, slices, workdir, seed, progress, live)
     }
     agreement.save_checkpoint()
     classifier.save_checkpoint()
-    for maker, store in makers.values():
-        maker.start(store, bank, client)
     working_labels = np.maximum(data.labels, 0).copy()
     labelled = data.train_idx.copy()
     rounds = []
     refresh = _live_view(classifier, agreement, rounds) if live else (lambda force=False: None)
-    try:
-        makers["embeddings"][0].wait_for_version(0)
+    with makers_running(list(makers.values()), bank, client):
         for round_index in range(config.rounds):
             round_seed = seed * 1000 + round_index
             pairs = agreement_batches(features, working_labels, labelled, config.agreement_batch_size, round_seed)
@@ -252,12 +249,6 @@ def _co_train(data, config, bank, client, slices, workdir, seed, progress, live)
             rounds.append(_round_record(round_index, classifier, agreement, data, features, labelled,
                                         working_labels, added))
             refresh(force=True)
-    finally:
-        for maker, _ in makers.values():
-            maker.stop()
-    errors = [error for maker, _ in makers.values() for error in maker.status()["errors"]]
-    if errors:
-        raise RuntimeError(f"a maker failed: {errors[0]}")
     versions = bank.row_metadata("nbrs", items)["version"]
     edges, _ = bank.lookup("nbrs", items)
     return {"test_acc": accuracy(classifier.model, features, data.labels, data.test_idx),

@@ -34,7 +34,7 @@ from flax import nnx
 from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, load_digits, load_planetoid, neighbors_from_edges
 from carlskit.makers import EmbeddingMaker, Maker, NeighborMaker
-from carlskit.paradigms._cli import run_and_print
+from carlskit.paradigms._cli import makers_running, run_and_print
 from carlskit.training import (
     CheckpointStore,
     NeighborKnowledge,
@@ -179,19 +179,9 @@ def _train_with_bank(data, config, model, optimizer, loss, make_model, features,
     trainer = Trainer(model, optimizer, loss, knowledge=NeighborKnowledge(bank, max_neighbors=config.neighbors),
                       checkpoints=store, checkpoint_every=config.checkpoint_every)
     trainer.save_checkpoint()  # version 0: makers fill the bank while the trainer warms up
-    for maker in makers:
-        maker.start(store, bank, client)
-    try:
-        for maker in makers:  # the bank holds version-0 knowledge before the first step reads it
-            maker.wait_for_version(0)
+    with makers_running([(maker, store) for maker in makers], bank, client):
         trainer.fit(batches(data, features, config, seed, config.multiplier), config.steps,
                     progress=progress, live=False)
-    finally:
-        for maker in makers:
-            maker.stop()
-    errors = [error for maker in makers for error in maker.status()["errors"]]
-    if errors:
-        raise RuntimeError(f"a maker failed: {errors[0]}")
     staleness = [r["staleness"] for r in trainer.history if "staleness" in r and np.isfinite(r["staleness"])]
     extra = {"maker_status": [m.status() for m in makers], "mean_staleness": float(np.mean(staleness)) if staleness else None,
              "missing_neighbors": int(trainer.knowledge.missing_total)}

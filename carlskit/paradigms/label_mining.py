@@ -41,7 +41,7 @@ from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, load_digits
 from carlskit.makers import LabelMaker, Maker
 from carlskit.paradigms.graph_reg import MLP, accuracy
-from carlskit.paradigms._cli import run_and_print
+from carlskit.paradigms._cli import makers_running, run_and_print
 from carlskit.training import CheckpointStore, MinedLabels, Trainer, masked_cross_entropy, select_mined_labels
 
 
@@ -144,14 +144,8 @@ def train(data: Dataset, noisy: np.ndarray, config: LabelMiningConfig, *, mining
             trainer = Trainer(model, optimizer, loss_fn, knowledge=MinedLabels(bank, "labels"),
                               checkpoints=store, checkpoint_every=config.checkpoint_every)
             trainer.save_checkpoint()
-            maker.start(store, bank, client)
-            try:
-                maker.wait_for_version(0)
+            with makers_running([(maker, store)], bank, client):
                 trainer.fit(source, config.steps, progress=progress, live=live)
-            finally:
-                maker.stop()
-            if maker.status()["errors"]:
-                raise RuntimeError(f"the label maker failed: {maker.status()['errors'][0]}")
             records, found = bank.lookup("labels", data.train_idx)
             versions = bank.row_metadata("labels", data.train_idx)["version"]
             mined = records["label"][:, 0]

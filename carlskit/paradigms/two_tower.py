@@ -52,7 +52,7 @@ from flax import nnx
 from carlskit.bank import KnowledgeBank
 from carlskit.data import VOCABULARY, PairedDataset, load_captioned_digits
 from carlskit.makers import EmbeddingMaker, Maker
-from carlskit.paradigms._cli import run_and_print
+from carlskit.paradigms._cli import makers_running, run_and_print
 from carlskit.training import BankNegatives, CheckpointStore, Trainer, check_embedding_dim, info_nce
 
 TABLES = {"image_emb": "images", "text_emb": "texts"}
@@ -187,14 +187,8 @@ def train(data: PairedDataset, config: TwoTowerConfig, num_negatives: int, *, se
             trainer = Trainer(model, optimizer, loss, knowledge=negatives, checkpoints=store,
                               checkpoint_every=config.checkpoint_every)
             trainer.save_checkpoint()
-            maker.start(store, bank, client)
-            try:
-                maker.wait_for_version(0)
+            with makers_running([(maker, store)], bank, client):
                 trainer.fit(source, config.steps, progress=progress, live=live)
-            finally:
-                maker.stop()
-            if maker.status()["errors"]:
-                raise RuntimeError(f"the embedding maker failed: {maker.status()['errors'][0]}")
             staleness = [r["staleness"] for r in trainer.history if np.isfinite(r.get("staleness", np.nan))]
             extra = {"negatives": num_negatives, "maker_status": maker.status(),
                      "mean_staleness": float(np.mean(staleness)) if staleness else None}
