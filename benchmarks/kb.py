@@ -26,6 +26,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from carlskit.bank import KnowledgeBank  # noqa: E402
+from carlskit.bank._bank import _bank_from_actors  # noqa: E402
 
 DIM = 64
 BATCH = 4096
@@ -182,6 +183,9 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         gradients = rng.standard_normal((BATCH, DIM), dtype=np.float32) * np.float32(1e-3)
         echoes = [client.submit(EchoShard, DIM, BATCH, actor=True, workers=[worker],
                                 pure=False).result() for worker in kb.shard_workers]
+        # the same shards reached through Dask's actor RPC only (the transport before the direct path)
+        kb_dask = _bank_from_actors(kb._shards, kb.shard_workers, kb.tables, direct=None)
+        assert kb.transport == "direct" and kb_dask.transport == "dask", kb.transport
         half = BATCH // 2
         print(f"distributed: filled {num_rows} rows on 2 workers", flush=True)
 
@@ -193,9 +197,12 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
             "dist_floor_rows_per_s": (echo, 1),
             "dist_floor_pipelined_rows_per_s": (echo, IN_FLIGHT),
             "dist_lookup_rows_per_s": (lambda b: kb.lookup_async("emb", b), 1),
+            "dist_lookup_dask_rows_per_s": (lambda b: kb_dask.lookup_async("emb", b), 1),
             "dist_lookup_pipelined_rows_per_s": (lambda b: kb.lookup_async("emb", b), IN_FLIGHT),
             "dist_apply_gradients_rows_per_s": (
                 lambda b: kb.apply_gradients_async("emb", b, gradients), 1),
+            "dist_apply_gradients_dask_rows_per_s": (
+                lambda b: kb_dask.apply_gradients_async("emb", b, gradients), 1),
             # lookups that also apply (flush) the gradients cached by the previous variant
             "dist_lookup_with_flush_rows_per_s": (lambda b: kb.lookup_async("emb", b), 1),
             "dist_apply_gradients_pipelined_rows_per_s": (
@@ -222,7 +229,10 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
                                            / results["dist_floor_rows_per_s"])
         results["dist_in_flight"] = IN_FLIGHT
         results["dist_load_average_1min"] = statistics.median(loads)
-        results["dist_ping_all_shards_ms"] = median_seconds(kb.ping, 50) * 1e3  # Dask alone
+        results["dist_lookup_direct_over_dask"] = (results["dist_lookup_rows_per_s"]
+                                                   / results["dist_lookup_dask_rows_per_s"])
+        results["dist_ping_all_shards_ms"] = median_seconds(kb.ping, 50) * 1e3  # direct path
+        results["dist_ping_dask_ms"] = median_seconds(kb_dask.ping, 50) * 1e3  # Dask RPC alone
         results["dist_lookup_latency_ms"] = median_seconds(
             lambda: kb.lookup("emb", batches[0]), 50) * 1e3
         one = all_keys[:1]

@@ -53,6 +53,7 @@ class _Shard:
         self._clock = clock or time.time
         self._tables: dict[str, RowStore] = {}
         self._lock = threading.Lock()
+        self._direct_server: Any = None
 
     def _table(self, name: str) -> tuple[RowStore, float]:
         table = self._tables[name]
@@ -62,6 +63,26 @@ class _Shard:
 
     def ping(self) -> int:
         return self.shard_index
+
+    def open_direct_path(self) -> dict[str, str] | None:
+        """Start serving the batch methods on a ZeroMQ socket beside the actor (see
+        :mod:`carlskit.bank._direct`); its address, or None where the worker does not speak plain
+        tcp (the bank then keeps to Dask's RPC)."""
+        from ._direct import DirectServer, worker_host
+
+        with self._lock:
+            if self._direct_server is None:
+                host = worker_host()
+                if host is None:
+                    return None
+                self._direct_server = DirectServer(self, host)
+            return self._direct_server.address
+
+    def close_direct_path(self) -> None:
+        with self._lock:
+            server, self._direct_server = self._direct_server, None
+        if server is not None:  # outside the lock: the server may be waiting for it
+            server.stop()
 
     def create_table(self, name: str, config: dict[str, Any], capacity: int = 1024) -> None:
         with self._lock:

@@ -143,6 +143,12 @@ def test_tls_cluster_refuses_a_client_without_credentials():
         address = client.scheduler.address
         assert address.startswith("tls://")
         assert client.submit(lambda: "over tls").result() == "over tls"
+        # the bank's direct data path is plain tcp: on a TLS cluster it stays on Dask's comm
+        bank = carlskit.KnowledgeBank(client, num_shards=1)
+        bank.create_table("emb", dim=4, initializer="zeros")
+        assert bank.transport == "dask"
+        assert bank.lookup("emb", [1, 2], insert_missing=True)[1].tolist() == [False, False]
+        bank.close()
         plaintext = address.replace("tls://", "tcp://")
         with pytest.raises(ConnectionError, match="tcp://"):
             carlskit.connect(plaintext, timeout=3)

@@ -1,0 +1,168 @@
+"""The bank's direct data path (ZeroMQ sockets beside the shard actors): same answers as Dask's
+actor RPC, a token that strangers lack, correct replies under threads and out-of-order waits, and
+servers that stop with the bank."""
+
+import threading
+
+import numpy as np
+import pytest
+
+distributed = pytest.importorskip("distributed")
+zmq = pytest.importorskip("zmq")
+
+from carlskit.bank import KnowledgeBank  # noqa: E402
+from carlskit.bank._direct import DirectChannel, decode, encode  # noqa: E402
+from process_helpers import wait_until  # noqa: E402
+
+DIM = 8
+
+
+def exercise(kb):
+    """The same writes on any bank; returns everything the direct path serves, read back."""
+    rng = np.random.default_rng(0)
+    kb.create_table("emb", dim=DIM, seed=3, learning_rate=0.5, max_pending=4)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 3), "weights": ("float32", 3)})
+    keys = np.arange(1, 301)
+    kb.lookup("emb", keys[:200], insert_missing=True)
+    kb.update("emb", keys[:80], rng.normal(size=(80, DIM)), version=5)
+    for _ in range(3):
+        kb.apply_gradients("emb", keys[40:260], rng.normal(size=(220, DIM)))
+    kb.update("nbrs", keys[:6], {"ids": np.arange(18).reshape(6, 3),
+                                 "weights": np.ones((6, 3), np.float32)}, version=2)
+    probe = np.r_[keys, [10_000]]
+    metadata = kb.row_metadata("emb", probe)
+    metadata.pop("last_write_time")  # wall-clock times differ between the two banks
+    return {"emb": kb.lookup("emb", probe), "nbrs": kb.lookup("nbrs", probe[:10]),
+            "metadata": metadata, "stats": kb.stats()["tables"]["emb"]}
+
+
+def direct_threads(client, worker):
+    return client.run(lambda: sum(t.name.startswith("carlskit-bank-direct")
+                                  for t in threading.enumerate()), workers=[worker])[worker]
+
+
+def test_direct_path_answers_like_dask_rpc(client):
+    direct, dask = KnowledgeBank(client, num_shards=2), KnowledgeBank(client, 2, direct=False)
+    assert (direct.transport, dask.transport) == ("direct", "dask")
+    assert direct.stats()["transport"] == "direct" and "direct data path" in repr(direct)
+    a, b = exercise(direct), exercise(dask)
+    np.testing.assert_array_equal(a["emb"][0], b["emb"][0])
+    np.testing.assert_array_equal(a["emb"][1], b["emb"][1])
+    for field in ("ids", "weights"):
+        np.testing.assert_array_equal(a["nbrs"][0][field], b["nbrs"][0][field])
+    for name in a["metadata"]:
+        np.testing.assert_array_equal(a["metadata"][name], b["metadata"][name])
+    counted = ("rows", "gradients_received", "optimizer_steps", "lookup_shard_calls")
+    assert {k: a["stats"][k] for k in counted} == {k: b["stats"][k] for k in counted}
+    assert direct.ping() > 0
+    direct.close(), dask.close()
+
+
+def test_results_of_one_shard_are_the_callers_to_write(client):
+    """With one shard nothing is merged: the reply's arrays are copied out of the message."""
+    kb = KnowledgeBank(client, num_shards=1)
+    kb.create_table("emb", dim=DIM)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
+    values, found = kb.lookup("emb", np.arange(4), insert_missing=True)
+    values += 1.0
+    found[:] = False
+    records, _ = kb.lookup("nbrs", np.arange(4))
+    records["ids"][:] = 0
+    kb.row_metadata("emb", np.arange(4))["version"][:] = 0
+    kb.close()
+
+
+def test_a_request_without_the_token_is_refused_and_changes_nothing(client):
+    kb = KnowledgeBank(client, num_shards=1)
+    kb.create_table("emb", dim=DIM, initializer="zeros")
+    address = kb._direct.addresses[0]
+    stranger = DirectChannel(address["endpoint"], "00" * 16)
+    request = stranger.send("update", ("emb", np.arange(3), np.ones((3, DIM), np.float32), 9))
+    with pytest.raises(PermissionError, match="token"):
+        stranger.result(request, alive=lambda: None)
+    stranger.close()
+    values, found = kb.lookup("emb", np.arange(3))
+    assert not found.any() and not values.any()
+
+    insider = DirectChannel(address["endpoint"], address["token"])
+    with pytest.raises(ValueError, match="'nearest' is not served"):
+        insider.result(insider.send("nearest", ("emb",)), alive=lambda: None)
+    insider.close()
+    kb.close()
+
+
+def test_codec_round_trips_nested_values_without_pickle():
+    value = ({"a": np.arange(6, dtype=np.int32).reshape(2, 3), "b": [1.5, None, "x"]},
+             np.zeros(0, bool), True, 7)
+    header, frames = encode(value)
+    assert b"pickle" not in header
+    back = decode(header, [frame.tobytes() for frame in frames])
+    np.testing.assert_array_equal(back[0]["a"], value[0]["a"])
+    assert back[0]["a"].dtype == np.int32 and back[0]["b"] == (1.5, None, "x")
+    assert back[1].shape == (0,) and back[2:] == (True, 7)
+    with pytest.raises(TypeError, match="set"):
+        encode({1, 2})
+
+
+def test_threads_and_out_of_order_waits_get_their_own_replies(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    kb.create_table("emb", dim=DIM, initializer="zeros")
+    keys = np.arange(1, 2001)
+    kb.update("emb", keys, np.repeat(keys[:, None], DIM, axis=1).astype(np.float32))
+
+    futures = [kb.lookup_async("emb", keys[i::7]) for i in range(7)]
+    for i in reversed(range(7)):  # waited for in reverse order of sending
+        values, found = futures[i].result()
+        assert found.all() and np.array_equal(values[:, 0], keys[i::7])
+
+    errors = []
+
+    def reader(offset):
+        try:
+            for round_ in range(30):
+                part = keys[(offset + round_) % 5::5]
+                values, _ = kb.lookup("emb", part)
+                assert np.array_equal(values[:, 0], part)
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+
+    sent_here = kb.lookup_async("emb", keys[:10])
+    waited_elsewhere = []
+    thread = threading.Thread(target=lambda: waited_elsewhere.append(sent_here.result()))
+    thread.start(), thread.join()
+    assert np.array_equal(waited_elsewhere[0][0][:, 0], keys[:10])
+    kb.close()
+
+
+def read_transport_and_values(kb, keys):
+    return kb.transport, kb.lookup("emb", keys)[0]
+
+
+def test_bank_in_a_dask_task_uses_the_direct_path(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    kb.create_table("emb", dim=DIM, seed=1)
+    keys = np.arange(100)
+    expected, _ = kb.lookup("emb", keys, insert_missing=True)
+    transport, values = client.submit(read_transport_and_values, kb, keys, pure=False).result()
+    assert transport == "direct"
+    np.testing.assert_array_equal(values, expected)
+    kb.close()
+
+
+def test_servers_stop_with_the_bank(client):
+    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
+    before = direct_threads(client, worker)
+    kb = KnowledgeBank(client, num_shards=2)
+    assert direct_threads(client, worker) == before + 1
+    kb.close()
+    wait_until(lambda: direct_threads(client, worker) == before, seconds=30)
+
+    dropped = KnowledgeBank(client, num_shards=2)  # released without close(): the actor's end
+    assert direct_threads(client, worker) == before + 1
+    del dropped
+    wait_until(lambda: direct_threads(client, worker) == before, seconds=30)
