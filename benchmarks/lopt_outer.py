@@ -4,17 +4,19 @@ The setting of learned_optimization's reference figure (13 PES outer steps/s on 
 accelerator): each outer step unrolls 4 antithetic pairs (8 inner trainings, vmapped) for 50 inner
 steps of the digits MLP (64-32-10, batch 128) and applies Adam to the meta-parameters.
 
-On CPU one XLA program of this size keeps about 1.5 cores busy, so the script asks for 2 host
-devices (``XLA_FLAGS=--xla_force_host_platform_device_count=2``, set here before JAX starts unless
+On CPU one XLA program of this size keeps only about 1.5 of 2 cores busy (user+sys CPU time / wall
+time 1.47 on one device, 1.78 split over two), so the script asks for 2 host devices
+(``XLA_FLAGS=--xla_force_host_platform_device_count=2``, set here before JAX starts unless
 XLA_FLAGS already names a device count) and ``make_pes_estimator`` splits the 4 pairs over them
-(2 per device, by default). Timed in the same process, interleaved: the estimator split over the
-devices (the headline figure), the same estimator on one device, and the pairs run one task at a
-time in a Python loop (baseline). Figures are medians over the repeats; the 1-minute load average
-is printed with them.
+(2 per device, its default). Timed in the same process, interleaved: the estimator split over the
+devices (the headline ``pes_outer_steps_per_s``), the same estimator on one device
+(``pes_one_device_steps_per_s``), and the pairs run one task at a time in a Python loop (baseline).
+Figures are medians over the repeats; the 1-minute load average is printed with them.
 
-Measured on the 2-core dev machine (medians of 5, 2026-11-29): see docs/notes/pes2_benchmarks.md;
-2 devices ~1.3-1.6x one device, reaching 13-15 outer steps/s against the reference 13 when the
-machine is otherwise quiet.
+Measured on the 2-core machine (2026-11-29, shared; medians of 5): split 14.7 /s at load 2.0 and
+18.2 /s at load 1.7 (one device in the same runs: 9.8 and 10.2, i.e. 1.51x and 1.78x; the script
+before this change, run interleaved: 9.1 and 9.7); at load 3.3-3.7 (another engineer's job using
+2 cores) 8.0-8.1 /s against 4.6-6.4 on one device. Details: docs/notes/pes2_benchmarks.md.
 
     python benchmarks/lopt_outer.py [--small]
 """
