@@ -3,7 +3,10 @@
 Both sides run the same work: one inner step (minibatch, loss gradient, learned-optimizer update)
 of the 8x8-digits MLP task (64-32-10, batch 128) under the MLP learned optimizer, for each of 32
 task instances. The loop calls the jitted single-task step 32 times per round; the vectorized side
-calls the jitted ``vmap`` of that same step once per round. Figures are medians over interleaved
+calls the jitted ``vmap`` of that same step once per round, and again with the task axis split
+over the host devices (``NamedSharding(task_mesh(32), P("tasks"))``; the script sets
+``XLA_FLAGS=--xla_force_host_platform_device_count=2`` before JAX starts unless XLA_FLAGS already
+names a device count; the loop and the plain vmapped step run on one device as before). Figures are medians over interleaved
 repeats (the machine is shared); the 1-minute load average is printed with them. A second, secondary measurement repeats
 this on a 64-dim quadratic, where per-call overhead rather than arithmetic dominates. Prints one
 JSON object last.
@@ -18,17 +21,23 @@ import json
 import os
 import time
 
-import jax
-import numpy as np
+HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+if HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}=2".strip()
+
+import jax  # noqa: E402  (after XLA_FLAGS)
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
+
+from carlskit.lopt import DigitsMLPTask, MLPUpdateRule, QuadraticTask, task_mesh  # noqa: E402
+from carlskit.lopt._inner import init_inner_state, unroll  # noqa: E402
 
 REPEATS = 5
 
-from carlskit.lopt import DigitsMLPTask, MLPUpdateRule, QuadraticTask
-from carlskit.lopt._inner import init_inner_state, unroll
 
-
-def measure(rule, task, num_tasks: int, rounds: int, label: str) -> tuple[float, float]:
-    """Task-steps/s of (Python loop of jitted single steps, one jitted vmapped step): lists over repeats."""
+def measure(rule, task, num_tasks: int, rounds: int, label: str) -> tuple[list, list, list]:
+    """Task-steps/s of (Python loop of jitted single steps, one jitted vmapped step, the vmapped step
+    split over the local devices): lists over repeats."""
     meta_params = rule.init_meta_params(jax.random.PRNGKey(0))
     task_keys = jax.random.split(jax.random.PRNGKey(1), num_tasks)
 
@@ -46,11 +55,22 @@ def measure(rule, task, num_tasks: int, rounds: int, label: str) -> tuple[float,
     vector_step = jax.jit(jax.vmap(step, in_axes=(None, 0, 0)))
     states = [init(k) for k in task_keys]
     batched = jax.vmap(init)(task_keys)
-    # Warm up (compile) both.
+    mesh = task_mesh(num_tasks)
+    if mesh is None:  # one device: the split step is the plain one
+        split_step, split_args = vector_step, (meta_params, batched, task_keys)
+    else:
+        split, replicated = NamedSharding(mesh, PartitionSpec("tasks")), NamedSharding(mesh, PartitionSpec())
+        split_step = jax.jit(jax.vmap(step, in_axes=(None, 0, 0)), in_shardings=(replicated, split, split),
+                             out_shardings=(split, split))
+        split_args = (jax.device_put(meta_params, replicated), jax.device_put(batched, split),
+                      jax.device_put(task_keys, split))
+    split_theta, split_batched, split_keys = split_args
+    # Warm up (compile) all three.
     for i in range(num_tasks):
         states[i], _ = single_step(meta_params, states[i], task_keys[i])
     batched, _ = vector_step(meta_params, batched, task_keys)
-    jax.block_until_ready((states, batched))
+    split_batched, _ = split_step(split_theta, split_batched, split_keys)
+    jax.block_until_ready((states, batched, split_batched))
 
     def time_loop() -> float:
         nonlocal states
@@ -69,14 +89,24 @@ def measure(rule, task, num_tasks: int, rounds: int, label: str) -> tuple[float,
         jax.block_until_ready(batched)
         return num_tasks * rounds / (time.perf_counter() - start)
 
+    def time_split() -> float:
+        nonlocal split_batched
+        start = time.perf_counter()
+        for _ in range(rounds):
+            split_batched, _ = split_step(split_theta, split_batched, split_keys)
+        jax.block_until_ready(split_batched)
+        return num_tasks * rounds / (time.perf_counter() - start)
+
     # Interleave repeats (the machine is shared); the caller reports medians and bests.
-    loop_rates, vector_rates = [], []
+    loop_rates, vector_rates, split_rates = [], [], []
     for repeat in range(REPEATS):
         loop_rates.append(time_loop())
         vector_rates.append(time_vectorized())
+        split_rates.append(time_split())
         print(f"{label} repeat {repeat}: loop {loop_rates[-1]:.0f} task-steps/s, "
-              f"vmapped {vector_rates[-1]:.0f} task-steps/s", flush=True)
-    return loop_rates, vector_rates
+              f"vmapped {vector_rates[-1]:.0f}, vmapped over {1 if mesh is None else mesh.devices.size} devices "
+              f"{split_rates[-1]:.0f} (load {os.getloadavg()[0]:.2f})", flush=True)
+    return loop_rates, vector_rates, split_rates
 
 
 def main() -> None:
@@ -87,9 +117,11 @@ def main() -> None:
     rounds = 10 if args.small else 40
     num_tasks = args.num_tasks
     rule = MLPUpdateRule()
-    loop_rates, vector_rates = measure(rule, DigitsMLPTask((32,), "relu", 128), num_tasks, rounds, "digits MLP")
+    print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}: {len(jax.local_devices())} local devices", flush=True)
+    loop_rates, vector_rates, split_rates = measure(rule, DigitsMLPTask((32,), "relu", 128), num_tasks, rounds,
+                                                    "digits MLP")
     # Secondary: a tiny task (64-dim quadratic) where per-call overhead, not arithmetic, dominates.
-    small_loop, small_vector = measure(rule, QuadraticTask(64, 10.0, 0.1), num_tasks, rounds * 5, "quadratic")
+    small_loop, small_vector, _ = measure(rule, QuadraticTask(64, 10.0, 0.1), num_tasks, rounds * 5, "quadratic")
     loop_rate, vector_rate = float(np.median(loop_rates)), float(np.median(vector_rates))
     result = {
         "benchmark": "lopt_vectorized",
@@ -102,6 +134,9 @@ def main() -> None:
         f"vectorized_speedup_{num_tasks}": round(vector_rate / loop_rate, 2),
         f"vectorized_speedup_{num_tasks}_best_of_each": round(max(vector_rates) / max(loop_rates), 2),
         "target_speedup": 8.0,
+        "split_devices": 1 if task_mesh(num_tasks) is None else int(task_mesh(num_tasks).devices.size),
+        "vectorized_split_inner_steps_per_s": round(float(np.median(split_rates)), 1),
+        f"vectorized_split_speedup_{num_tasks}": round(float(np.median(split_rates)) / loop_rate, 2),
         f"quadratic64_vectorized_speedup_{num_tasks}": round(float(np.median(small_vector) / np.median(small_loop)), 2),
         "quadratic64_loop_inner_steps_per_s": round(float(np.median(small_loop)), 1),
         "quadratic64_vectorized_inner_steps_per_s": round(float(np.median(small_vector)), 1),

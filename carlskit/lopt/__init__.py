@@ -5,7 +5,7 @@ Public names: ``LearnedOptimizer``, ``LearnableAdam``, the pure update rules ``M
 ``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask``), inner training
 (``train_tasks_vectorized``, ``train_tasks_serial``) and the outer-gradient estimators
 (``full_es_gradient``, ``pes_gradient``, ``pes_init_state``, ``make_full_es_estimator``,
-``make_pes_estimator``), and the meta-training cluster (Metz et al. 2022, App. H.1): ``MetaTraining``,
+``make_pes_estimator``, ``task_mesh`` for splitting PES pairs over devices), and the meta-training cluster (Metz et al. 2022, App. H.1): ``MetaTraining``,
 ``GradientStore``, ``Learner``, ``EvaluationChief``, ``EvalTaskSet``, ``default_eval_task_sets``,
 ``evaluation_curves``.
 """
@@ -19,6 +19,7 @@ from carlskit.lopt._estimators import (
     make_pes_estimator,
     pes_gradient,
     pes_init_state,
+    task_mesh,
 )
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, evaluation_curves
 from carlskit.lopt._gradient_store import GradientStore
@@ -51,5 +52,5 @@ __all__ = [
     "LearnedOptimizer", "MLPUpdateRule", "PESEstimator", "PESState", "QuadraticFamily", "QuadraticTask", "Task",
     "TaskFamily", "aggregate_losses", "antithetic_combine", "full_es_gradient", "init_inner_state",
     "make_full_es_estimator", "make_pes_estimator", "optax_train_curves", "pes_gradient", "pes_init_state",
-    "train_task", "train_tasks_serial", "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll",
+    "task_mesh", "train_task", "train_tasks_serial", "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll",
 ]

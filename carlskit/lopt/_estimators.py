@@ -14,15 +14,22 @@ Pairs whose loss is not finite are dropped (NaN guarding) and, in PES, restarted
 Entry points usable from any process (e.g. Dask workers): ``full_es_gradient(meta_params, key, task_keys, ...)``
 and ``pes_gradient(meta_params, key, state, ...)`` with configuration as static keyword arguments,
 or ``make_full_es_estimator`` / ``make_pes_estimator`` which bind the configuration and jit.
+
+``make_pes_estimator`` splits the task axis (the pairs) over the local JAX devices: with 2 devices
+each runs half of the pairs, and the only communication is the final sum over pairs (an
+all-reduce of the meta-gradient). On a CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+(set before JAX starts) gives N host devices whose programs run on separate threads.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from carlskit.lopt._inner import InnerState, aggregate_losses, init_inner_state, unroll
 
@@ -189,9 +196,60 @@ class PESEstimator(NamedTuple):
     gradient: Callable[[PyTree, jax.Array, PESState], tuple[PyTree, PESState, dict]]
 
 
+def task_mesh(num_tasks: int, devices: Sequence[jax.Device] | None = None) -> Mesh | None:
+    """The 1-D mesh ``("tasks",)`` that the ``num_tasks`` pairs are split over, or ``None`` (one device).
+
+    ``devices=None``: the first ``d`` of ``jax.local_devices()``, ``d`` the largest count that
+    divides ``num_tasks`` (so every device gets ``num_tasks / d`` whole pairs); ``None`` when that
+    is 1. An explicit sequence is used as given and must divide ``num_tasks``.
+    """
+    if devices is None:
+        local = jax.local_devices()
+        count = max(d for d in range(1, len(local) + 1) if num_tasks % d == 0)
+        if count == 1:
+            return None
+        devices = local[:count]
+    devices = list(devices)
+    if not devices or not all(isinstance(d, jax.Device) for d in devices):
+        raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+    if num_tasks % len(devices):
+        raise ValueError(f"num_tasks ({num_tasks}) must be a multiple of the number of devices ({len(devices)})")
+    return Mesh(np.array(devices), ("tasks",))
+
+
+def _place(tree: PyTree, sharding: NamedSharding) -> PyTree:
+    """``tree`` with every leaf on ``sharding``; leaves already there are passed through untouched."""
+    return jax.tree.map(lambda x: x if getattr(x, "sharding", None) == sharding else jax.device_put(x, sharding),
+                        tree)
+
+
 def make_pes_estimator(rule: Any, task: Any, *, num_tasks: int, horizon: int, truncation_length: int,
-                       std: float = 0.01, aggregation: str = "mean") -> PESEstimator:
-    """Bind the configuration of truncated PES; both returned functions are pure and jitted."""
+                       std: float = 0.01, aggregation: str = "mean",
+                       devices: Sequence[jax.Device] | None = None) -> PESEstimator:
+    """Bind the configuration of truncated PES; both returned functions are pure and jitted.
+
+    The pairs are split over ``task_mesh(num_tasks, devices)`` (by default all local devices that
+    divide ``num_tasks``; pass ``devices=jax.local_devices()[:1]`` for one device): the PES state
+    lives sharded along its task axis (``NamedSharding(mesh, P("tasks"))``), ``meta_params`` and
+    ``key`` are replicated, and ``grad`` and ``metrics`` come back replicated over the devices.
+    The result equals the one-device estimator's up to float summation order.
+    """
     config = dict(rule=rule, task=task, num_tasks=num_tasks, horizon=horizon, truncation_length=truncation_length)
-    return PESEstimator(functools.partial(pes_init_state, **config),
-                        functools.partial(pes_gradient, std=std, aggregation=aggregation, **config))
+    init = functools.partial(pes_init_state, **config)
+    gradient = functools.partial(pes_gradient, std=std, aggregation=aggregation, **config)
+    mesh = task_mesh(num_tasks, devices)
+    if mesh is None:
+        return PESEstimator(init, gradient)
+    split = NamedSharding(mesh, PartitionSpec("tasks"))  # every PESState leaf has the task axis first
+    replicated = NamedSharding(mesh, PartitionSpec())
+    sharded_gradient = jax.jit(gradient, in_shardings=(replicated, replicated, split),
+                               out_shardings=(replicated, split, replicated))
+
+    def init_on_mesh(meta_params: PyTree, key: jax.Array) -> PESState:
+        return _place(init(meta_params, key), split)
+
+    def gradient_on_mesh(meta_params: PyTree, key: jax.Array, state: PESState
+                         ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
+        return sharded_gradient(_place(meta_params, replicated), _place(key, replicated), _place(state, split))
+
+    return PESEstimator(init_on_mesh, gradient_on_mesh)
