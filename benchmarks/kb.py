@@ -5,10 +5,15 @@ Run from the repo root: ``python benchmarks/kb.py`` (1,000,000 x 64 table) or ``
 Every ratio compares against a baseline measured in the same process on the same data.
 
 Distributed keys (2 shards on 2 worker processes, batches of 4096; the variants take turns every 25
-batches and each figure is the median over those slices, so all see the same load): ``dist_lookup_rows_per_s`` is blocking ``lookup`` calls one after another (the
-issue's target); ``dist_lookup_pipelined_rows_per_s`` keeps ``IN_FLIGHT`` batches in flight with
-``lookup_async``; ``dist_floor_rows_per_s`` (and ``_pipelined``) is the same traffic to an actor that
-does no work (2048 keys in, 2048 x 64 float32 out, per worker): the most Dask allows here.
+batches and each figure is the median over those slices, so all see the same load):
+``dist_lookup_rows_per_s`` is blocking ``lookup`` calls one after another on the bank's default
+(direct, ZeroMQ) data path (the issue's target); ``dist_lookup_dask_rows_per_s`` is the same calls
+to the same shards through Dask's actor RPC only (``dist_lookup_direct_over_dask`` their ratio);
+``dist_lookup_pipelined_rows_per_s`` keeps ``IN_FLIGHT`` batches in flight with ``lookup_async``;
+``dist_floor_rows_per_s`` (and ``_pipelined``) is the same traffic through Dask's actor RPC to an
+actor that does no work (2048 keys in, 2048 x 64 float32 out, per worker): the most the actor RPC
+allows here. ``dist_ping_all_shards_ms`` / ``dist_ping_dask_ms``: a no-work round trip to both
+shards on each path.
 """
 
 from __future__ import annotations
