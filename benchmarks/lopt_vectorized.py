@@ -81,28 +81,22 @@ def measure(rule, task, num_tasks: int, rounds: int, label: str) -> tuple[list, 
         jax.block_until_ready(states)
         return num_tasks * rounds / (time.perf_counter() - start)
 
-    def time_vectorized() -> float:
-        nonlocal batched
+    def time_batched(batched_step, theta, state, keys):
+        """(task-steps/s over ``rounds`` calls of a one-call-for-all-tasks step, its final state)."""
         start = time.perf_counter()
         for _ in range(rounds):
-            batched, _ = vector_step(meta_params, batched, task_keys)
-        jax.block_until_ready(batched)
-        return num_tasks * rounds / (time.perf_counter() - start)
-
-    def time_split() -> float:
-        nonlocal split_batched
-        start = time.perf_counter()
-        for _ in range(rounds):
-            split_batched, _ = split_step(split_theta, split_batched, split_keys)
-        jax.block_until_ready(split_batched)
-        return num_tasks * rounds / (time.perf_counter() - start)
+            state, _ = batched_step(theta, state, keys)
+        jax.block_until_ready(state)
+        return num_tasks * rounds / (time.perf_counter() - start), state
 
     # Interleave repeats (the machine is shared); the caller reports medians and bests.
     loop_rates, vector_rates, split_rates = [], [], []
     for repeat in range(REPEATS):
         loop_rates.append(time_loop())
-        vector_rates.append(time_vectorized())
-        split_rates.append(time_split())
+        rate, batched = time_batched(vector_step, meta_params, batched, task_keys)
+        vector_rates.append(rate)
+        rate, split_batched = time_batched(split_step, split_theta, split_batched, split_keys)
+        split_rates.append(rate)
         print(f"{label} repeat {repeat}: loop {loop_rates[-1]:.0f} task-steps/s, "
               f"vmapped {vector_rates[-1]:.0f}, vmapped over {1 if mesh is None else mesh.devices.size} devices "
               f"{split_rates[-1]:.0f} (load {os.getloadavg()[0]:.2f})", flush=True)
