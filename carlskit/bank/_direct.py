@@ -116,6 +116,7 @@ class DirectServer:
         self._stop = threading.Event()
         self._socket = zmq.Context.instance().socket(zmq.ROUTER)
         self._socket.linger = 0
+        self._socket.sndhwm = self._socket.rcvhwm = 0  # never drop a reply (ROUTER would, silently)
         if ":" in host:
             self._socket.ipv6 = True
         bracketed = f"[{host}]" if ":" in host else host
@@ -190,6 +191,7 @@ class DirectChannel:
         self._token = bytes.fromhex(token)
         self._socket = zmq.Context.instance().socket(zmq.DEALER)
         self._socket.linger = 0
+        self._socket.sndhwm = self._socket.rcvhwm = 0
         if endpoint.startswith("tcp://["):
             self._socket.ipv6 = True
         self._socket.connect(endpoint)
@@ -197,6 +199,7 @@ class DirectChannel:
         self._lock = threading.Lock()
         self._next_id = 0
         self._replies: dict[int, tuple[bytes, list[Any]]] = {}
+        self._forgotten: set[int] = set()  # requests whose DirectCall was dropped unanswered
 
     def send(self, method: str, args: tuple) -> int:
         header, frames = encode(args)
@@ -205,11 +208,30 @@ class DirectChannel:
             self._next_id += 1
             self._socket.send_multipart([_REQUEST_ID.pack(request_id), self._token,
                                          method.encode(), header, *frames], copy=False)
+            while self._socket.poll(0):  # replies nobody waits for yet leave ZeroMQ's queues
+                self._receive_one()
         return request_id
+
+    @property
+    def pending_replies(self) -> int:
+        """Replies received and not yet taken by their :class:`DirectCall`."""
+        return len(self._replies)
 
     def _receive_one(self) -> None:
         frames = self._socket.recv_multipart(copy=False)
-        self._replies[_REQUEST_ID.unpack(frames[0].bytes)[0]] = (frames[1].bytes, frames[2:])
+        request_id = _REQUEST_ID.unpack(frames[0].bytes)[0]
+        self._replies[request_id] = (frames[1].bytes, frames[2:])
+        if request_id in self._forgotten:  # stored first, checked second: see forget()
+            self._forgotten.discard(request_id)
+            self._replies.pop(request_id, None)
+
+    def forget(self, request_id: int) -> None:
+        """Drop the reply to ``request_id`` whenever it comes (its caller is gone). Lock-free, as
+        it runs from ``__del__``: marked first, popped second, so either this or
+        :meth:`_receive_one` removes a reply that arrives in between."""
+        self._forgotten.add(request_id)
+        if self._replies.pop(request_id, None) is not None:
+            self._forgotten.discard(request_id)
 
     def done(self, request_id: int) -> bool:
         with self._lock:
@@ -248,16 +270,34 @@ class DirectCall:
     """A request in flight on a :class:`DirectChannel`: ``result()`` / ``done()`` like the Dask
     actor futures the bank otherwise holds."""
 
-    __slots__ = ("_channel", "_request_id", "_alive")
+    __slots__ = ("_channel", "_request_id", "_alive", "_taken", "_outcome")
 
     def __init__(self, channel: DirectChannel, request_id: int, alive: Callable[[], None]) -> None:
         self._channel, self._request_id, self._alive = channel, request_id, alive
+        self._taken = False
+        self._outcome: tuple[bool, Any] | None = None  # (raised, value or error) once answered
 
     def done(self) -> bool:
-        return self._channel.done(self._request_id)
+        return self._outcome is not None or self._channel.done(self._request_id)
 
     def result(self) -> Any:
-        return self._channel.result(self._request_id, self._alive)
+        """The reply's value, or its error raised; later calls give the same again."""
+        if self._outcome is None:
+            self._taken = True
+            try:
+                self._outcome = (False, self._channel.result(self._request_id, self._alive))
+            except DirectPathLost:
+                raise  # nothing was received: asking again asks the shard again
+            except Exception as error:  # noqa: BLE001 - the shard's error, kept for later calls
+                self._outcome = (True, error)
+        raised, value = self._outcome
+        if raised:
+            raise value
+        return value
+
+    def __del__(self) -> None:
+        if not self._taken:  # sent and never waited for: its reply is nobody's
+            self._channel.forget(self._request_id)
 
 
 class DirectPath:

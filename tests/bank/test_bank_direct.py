@@ -11,7 +11,7 @@ distributed = pytest.importorskip("distributed")
 zmq = pytest.importorskip("zmq")
 
 from carlskit.bank import KnowledgeBank  # noqa: E402
-from carlskit.bank._direct import DirectChannel, decode, encode  # noqa: E402
+from carlskit.bank._direct import DirectCall, DirectChannel, decode, encode  # noqa: E402
 from process_helpers import wait_until  # noqa: E402
 
 DIM = 8
@@ -85,9 +85,29 @@ def test_a_request_without_the_token_is_refused_and_changes_nothing(client):
     assert not found.any() and not values.any()
 
     insider = DirectChannel(address["endpoint"], address["token"])
-    with pytest.raises(ValueError, match="'nearest' is not served"):
-        insider.result(insider.send("nearest", ("emb",)), alive=lambda: None)
+    refused = DirectCall(insider, insider.send("nearest", ("emb",)), alive=lambda: None)
+    for _ in range(2):  # asked twice, the same error twice (nothing waits for a second reply)
+        with pytest.raises(ValueError, match="'nearest' is not served"):
+            refused.result()
     insider.close()
+    kb.close()
+
+
+def test_unawaited_calls_neither_pile_up_nor_lose_replies(client):
+    """Fire-and-forget gradients (futures dropped) leave no replies behind; futures kept but not
+    waited for get their replies later, however many there are."""
+    kb = KnowledgeBank(client, num_shards=1)
+    kb.create_table("emb", dim=DIM, initializer="zeros", max_pending=1_000_000)
+    keys, gradients = np.arange(4), np.ones((4, DIM), np.float32)
+    for _ in range(2000):
+        kb.apply_gradients_async("emb", keys, gradients)  # future dropped at once
+    kept = [kb.apply_gradients_async("emb", keys, gradients) for _ in range(2000)]
+    assert all(future.result() is None for future in kept)
+    # one socket, one server thread: replies in order, so every earlier call was applied too
+    assert kb.stats()["tables"]["emb"]["gradients_received"] == 4 * 4000
+    del kept
+    kb.lookup("emb", keys)  # a blocking call drains anything still queued
+    assert kb._direct._channel(0).pending_replies == 0
     kb.close()
 
 
