@@ -206,10 +206,12 @@ def test_batches_in_flight_match_blocking_calls(client, bank_contents, assert_sa
     assert not found.any() and (records["ids"] == -1).all()
     one_shard = KnowledgeBank(client, num_shards=1)
     one_shard.create_table("emb", dim=DIM)
-    keys = np.arange(10, 20)
+    # 20,000 keys (160 KB): ZeroMQ sends frames over 64 KB from the caller's buffer, later, on its
+    # I/O thread; a single shard gets the keys without routing, so the call needs its own copy
+    keys = np.arange(10, 20_010)
     future = one_shard.lookup_async("emb", keys, insert_missing=True)
-    keys[:] = 99  # single shard: the call gets the keys without routing, so it needs its own copy
-    np.testing.assert_array_equal(future.result()[0], one_shard.lookup("emb", np.arange(10, 20))[0])
+    keys[:] = 99
+    np.testing.assert_array_equal(future.result()[0], one_shard.lookup("emb", np.arange(10, 20_010))[0])
     assert not one_shard.lookup("emb", [99])[1].any()
     before = bank_contents(remote)
     with pytest.raises(ValueError, match=r"gradients must have shape \[64, 8\]"):
