@@ -104,6 +104,7 @@ WRITER = textwrap.dedent("""
     address, name, grad = sys.argv[1], sys.argv[2], float(sys.argv[3])
     with Client(address) as client:
         kb = KnowledgeBank.attach(client, name)
+        assert kb.transport == "direct", kb.transport  # attached banks get the direct path too
         keys = np.arange(1, 1001)
         for _ in range(20):
             kb.apply_gradients("emb", keys, np.full((len(keys), 4), grad, np.float32))
