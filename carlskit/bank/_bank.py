@@ -24,6 +24,7 @@ against the value being replaced; counted as ``discarded_by_update``).
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._direct import DirectPath, DirectPathLost
+from ._direct import DirectCall, DirectPath, DirectPathLost
 from ._hashing import key_from_string, shard_of
 from ._nearest import METRICS, top_k
 from ._shard import _Shard
@@ -101,6 +102,8 @@ def _as_int(value: Any, name: str, minimum: int | None = None) -> int:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if not -2**63 <= value < 2**63:
+        raise ValueError(f"{name} must fit in int64, got {value}")
     return int(value)
 
 
@@ -314,11 +317,13 @@ class KnowledgeBank:
         direct = self._direct
         for i, args in calls.items():
             try:
+                call = None
                 if direct is not None and direct.serves(i, method):
-                    futures[i] = direct.call(i, method, args,
-                                             functools.partial(_actor_answers, self._shards[i]))
-                else:
-                    futures[i] = getattr(self._shards[i], method)(*args, **options)
+                    alive = functools.partial(_direct_server_answers, self._shards[i],
+                                              direct.addresses[i]["token"])
+                    call = direct.call(i, method, args, alive)  # None: unreachable from here
+                futures[i] = call if call is not None else getattr(self._shards[i], method)(
+                    *args, **options)
             except (OSError, RuntimeError, KeyError) as error:
                 raise self._lost(i, error) from error
         return futures
@@ -330,6 +335,12 @@ class KnowledgeBank:
             return pending
         results = {}
         for i, future in pending.items():
+            if isinstance(future, DirectCall):
+                try:
+                    results[i] = future.result()
+                except DirectPathLost as error:  # any other error is the shard's own: as is
+                    raise self._lost(i, error) from error
+                continue
             try:
                 results[i] = future.result()
             except (ValueError, TypeError) as error:
@@ -607,7 +618,7 @@ class KnowledgeBank:
         (seconds, NaN if absent) and ``lookup_count``; one call per shard. Counts no lookup."""
         self._config(table)
         keys = _as_keys(keys)
-        routes = self._route(keys)
+        routes = self._route(keys) or [(0, None)]  # no keys: ask one shard for empty columns
         results = self._call("row_metadata", {s: (table, keys if pos is None else keys[pos])
                                               for s, pos in routes})
         if routes[0][1] is None:
@@ -741,18 +752,18 @@ class KnowledgeBank:
         return (_bank_from_actors, (self._shards, self._shard_workers, self._configs, self._direct))
 
     def close(self) -> None:
-        """Release the shard actors (distributed) or drop the in-process shards."""
-        if self._direct is not None and self._shard_futures:  # the owner stops the servers
-            for shard in self._shards:
-                try:
-                    shard.close_direct_path().result(timeout=30)
-                except Exception:  # noqa: BLE001 - a lost shard has nothing left to stop
-                    pass
+        """Release the shard actors (distributed) or drop the in-process shards. A shard's
+        direct server stops with its actor, once no bank (or published dataset) holds it."""
+        owned = bool(self._shard_futures)
         self._direct = None
         for future in self._shard_futures:
             future.release()
         self._shard_futures = []
         self._shards = []
+        if owned:
+            # Finished Dask actor calls can leave the actor handles in reference cycles, which
+            # keep the actors (and their servers) alive until the next cyclic collection.
+            gc.collect()
 
     def __repr__(self) -> str:
         where = (f"{self.num_shards} Dask actors, {self.transport} data path" if self.distributed
@@ -768,9 +779,11 @@ class KnowledgeBank:
                 f"<table><tr><th>table</th><th>kind</th><th>dim / fields</th></tr>{rows}</table>")
 
 
-def _actor_answers(actor: Any, timeout: float = 30.0) -> None:
-    """Raise unless the shard actor answers a ping through Dask within ``timeout`` seconds."""
-    actor.ping(separate_thread=False).result(timeout=timeout)
+def _direct_server_answers(actor: Any, token: str, timeout: float = 30.0) -> None:
+    """Raise unless the shard actor answers through Dask within ``timeout`` seconds that its
+    direct server (with ``token``) is still running."""
+    if not actor.direct_path_serving(token, separate_thread=False).result(timeout=timeout):
+        raise DirectPathLost("the shard's direct server has stopped")
 
 
 def _open_direct_path(actors: list[Any]) -> DirectPath | None:

@@ -23,12 +23,14 @@ order and from any thread.
 
 from __future__ import annotations
 
+import builtins
 import hmac
 import json
 import os
 import secrets
 import struct
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -38,6 +40,10 @@ import numpy as np
 DIRECT_METHODS = frozenset({"lookup", "update", "apply_gradients", "row_metadata", "ping"})
 #: seconds between liveness checks while a reply is awaited (a lost worker never answers)
 LIVENESS_SECONDS = 1.0
+#: seconds a first ping on a new channel may take before the shard counts as unreachable from here
+REACH_SECONDS = 10.0
+#: milliseconds a waiting thread polls the socket before letting other threads use the channel
+_WAIT_SLICE_MS = 10
 #: milliseconds the server thread sleeps in poll before checking whether it should stop
 _SERVER_POLL_MS = 200
 _REQUEST_ID = struct.Struct("<Q")
@@ -45,6 +51,24 @@ _REQUEST_ID = struct.Struct("<Q")
 
 class DirectPathLost(ConnectionError):
     """The shard behind a direct channel no longer answers (its worker or actor is gone)."""
+
+
+class ShardError(Exception):
+    """An error raised in a shard whose type is not a Python built-in (type name in the message)."""
+
+
+def _error_message(error: BaseException) -> dict[str, str]:
+    args = error.args
+    text = args[0] if len(args) == 1 and isinstance(args[0], str) else str(error)
+    return {"type": type(error).__name__, "message": text}
+
+
+def _rebuilt_error(error: dict[str, str]) -> Exception:
+    """The shard's error as the built-in exception type it had, else :class:`ShardError`."""
+    kind = getattr(builtins, error["type"], None)
+    if isinstance(kind, type) and issubclass(kind, Exception):
+        return kind(error["message"])
+    return ShardError(f"{error['type']}: {error['message']}")
 
 
 # ----------------------------------------------------------------------------- message codec
@@ -123,7 +147,7 @@ class DirectServer:
         port = self._socket.bind_to_random_port(f"tcp://{bracketed}")
         self.endpoint = f"tcp://{bracketed}:{port}"
         self._thread = threading.Thread(target=self._serve, args=(weakref.ref(shard),),
-                                        name=f"carlskit-bank-direct-{shard.shard_index}",
+                                        name=f"carlskit-bank-direct-{shard.shard_index}-{port}",
                                         daemon=True)
         self._thread.start()
         weakref.finalize(shard, self._stop.set)
@@ -132,11 +156,12 @@ class DirectServer:
     def address(self) -> dict[str, str]:
         return {"endpoint": self.endpoint, "token": self.token.hex()}
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Stop serving; waits up to ``timeout`` seconds for the thread to close its socket."""
+    @property
+    def serving(self) -> bool:
+        return self._thread.is_alive() and not self._stop.is_set()
+
+    def stop(self) -> None:
         self._stop.set()
-        if threading.current_thread() is not self._thread:
-            self._thread.join(timeout)
 
     def _serve(self, shard_ref: Callable[[], Any]) -> None:
         import zmq
@@ -171,15 +196,10 @@ class DirectServer:
             result_header, result_frames = encode(getattr(shard, name)(*decode(header.bytes, arrays)))
             return [b"ok", result_header, *result_frames]
         except Exception as error:  # noqa: BLE001 - every error goes back to the caller
-            message = {"type": type(error).__name__, "message": str(error)}
-            return [b"error", json.dumps(message).encode()]
+            return [b"error", json.dumps(_error_message(error)).encode()]
 
 
 # ----------------------------------------------------------------------------- client side
-_RAISED_AS_IS = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError,
-                 "PermissionError": PermissionError}
-
-
 class DirectChannel:
     """One client socket to one shard's :class:`DirectServer`, for one thread (sockets are not
     thread-safe; the lock lets another thread wait for a reply sent from here)."""
@@ -206,11 +226,31 @@ class DirectChannel:
         with self._lock:
             request_id = self._next_id
             self._next_id += 1
-            self._socket.send_multipart([_REQUEST_ID.pack(request_id), self._token,
-                                         method.encode(), header, *frames], copy=False)
-            while self._socket.poll(0):  # replies nobody waits for yet leave ZeroMQ's queues
-                self._receive_one()
+            try:
+                self._socket.send_multipart([_REQUEST_ID.pack(request_id), self._token,
+                                             method.encode(), header, *frames], copy=False)
+                while self._socket.poll(0):  # replies nobody waits for yet leave ZeroMQ's queues
+                    self._receive_one()
+            except self._zmq.ZMQError as error:
+                raise DirectPathLost(f"cannot send to the shard's direct path: {error}") from error
         return request_id
+
+    def reaches_server(self, seconds: float = REACH_SECONDS) -> bool:
+        """Whether a ping over this channel is answered within ``seconds`` (the endpoint may be
+        unreachable from this process: NAT, firewall, a contact address that is not local)."""
+        request_id = self.send("ping", ())
+        deadline = time.monotonic() + seconds
+        with self._lock:
+            while request_id not in self._replies:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._socket.poll(int(left * 1000) + 1):
+                    break
+                self._receive_one()
+        if request_id in self._replies:
+            self._replies.pop(request_id)
+            return True
+        self.forget(request_id)
+        return False
 
     @property
     def pending_replies(self) -> int:
@@ -234,30 +274,42 @@ class DirectChannel:
             self._forgotten.discard(request_id)
 
     def done(self, request_id: int) -> bool:
-        with self._lock:
-            while request_id not in self._replies and self._socket.poll(0):
-                self._receive_one()
-            return request_id in self._replies
+        """Whether the reply has arrived; never waits (another thread may hold the socket)."""
+        if request_id in self._replies:
+            return True
+        if self._lock.acquire(blocking=False):
+            try:
+                while request_id not in self._replies and self._socket.poll(0):
+                    self._receive_one()
+            finally:
+                self._lock.release()
+        return request_id in self._replies
 
     def result(self, request_id: int, alive: Callable[[], None]) -> Any:
-        """The reply to ``request_id``. Every :data:`LIVENESS_SECONDS` without it, ``alive()``
-        is called; it raises when the shard is gone (re-raised as :class:`DirectPathLost`)."""
-        with self._lock:
-            while request_id not in self._replies:
-                if self._socket.poll(int(LIVENESS_SECONDS * 1000)):
+        """The reply to ``request_id``, its error raised as the built-in type it had in the shard
+        (else :class:`ShardError`). Waits in short slices, so other threads can send and receive
+        on this channel meanwhile. Every :data:`LIVENESS_SECONDS` without a reply, ``alive()`` is
+        called (outside the lock); it raises when the shard or its server is gone, re-raised as
+        :class:`DirectPathLost`."""
+        last_check = time.monotonic()
+        while True:
+            with self._lock:
+                if request_id in self._replies:
+                    status, frames = self._replies.pop(request_id)
+                    break
+                if self._socket.poll(_WAIT_SLICE_MS):
                     self._receive_one()
                     continue
+            if time.monotonic() - last_check >= LIVENESS_SECONDS:
                 try:
                     alive()
                 except Exception as error:  # noqa: BLE001 - any failure means: not reachable
-                    raise DirectPathLost(f"no reply from the shard's direct path and its actor "
-                                         f"does not answer ({type(error).__name__}: {error})"
-                                         ) from error
-            status, frames = self._replies.pop(request_id)
+                    raise DirectPathLost(f"no reply from the shard's direct path, and "
+                                         f"{type(error).__name__}: {error}") from error
+                last_check = time.monotonic()
         if status == b"ok":
             return decode(frames[0].bytes, frames[1:])
-        error = json.loads(frames[0].bytes)
-        raise _RAISED_AS_IS.get(error["type"], RuntimeError)(error["message"])
+        raise _rebuilt_error(json.loads(frames[0].bytes))
 
     def close(self) -> None:
         if os.getpid() == self._pid and not self._socket.closed:
@@ -287,7 +339,7 @@ class DirectCall:
             try:
                 self._outcome = (False, self._channel.result(self._request_id, self._alive))
             except DirectPathLost:
-                raise  # nothing was received: asking again asks the shard again
+                raise  # nothing was received: a later call waits for the same reply again
             except Exception as error:  # noqa: BLE001 - the shard's error, kept for later calls
                 self._outcome = (True, error)
         raised, value = self._outcome
@@ -304,25 +356,41 @@ class DirectPath:
     """The client half of a bank's direct path: each shard's address and this process's
     per-thread channels. Pickles as the addresses only."""
 
-    def __init__(self, addresses: list[dict[str, str] | None]) -> None:
+    def __init__(self, addresses: list[dict[str, str] | None],
+                 reach_seconds: float = REACH_SECONDS) -> None:
         self.addresses = list(addresses)
+        self.reach_seconds = reach_seconds
         self._local = threading.local()
+        self._unreachable: set[int] = set()  # shards whose endpoint this process cannot reach
 
     def __reduce__(self):
-        return (DirectPath, (self.addresses,))
+        return (DirectPath, (self.addresses, self.reach_seconds))
 
     def serves(self, shard: int, method: str) -> bool:
-        return method in DIRECT_METHODS and self.addresses[shard] is not None
+        return (method in DIRECT_METHODS and self.addresses[shard] is not None
+                and shard not in self._unreachable)
 
-    def _channel(self, shard: int) -> DirectChannel:
+    def _channel(self, shard: int) -> DirectChannel | None:
+        """This thread's channel to ``shard``; a new one is first pinged, and a shard that does
+        not answer within :data:`REACH_SECONDS` is left to Dask's RPC in this process (None)."""
         channels = getattr(self._local, "channels", None)
         if channels is None or channels.get("pid") != os.getpid():
             channels = self._local.channels = {"pid": os.getpid()}
         if shard not in channels:
             address = self.addresses[shard]
-            channels[shard] = DirectChannel(address["endpoint"], address["token"])
+            channel = DirectChannel(address["endpoint"], address["token"])
+            if not channel.reaches_server(self.reach_seconds):
+                channel.close()
+                self._unreachable.add(shard)
+                return None
+            channels[shard] = channel
         return channels[shard]
 
-    def call(self, shard: int, method: str, args: tuple, alive: Callable[[], None]) -> DirectCall:
+    def call(self, shard: int, method: str, args: tuple,
+             alive: Callable[[], None]) -> DirectCall | None:
+        """Send ``method(*args)`` to ``shard``; None when its endpoint is unreachable from here
+        (the caller then uses the actor)."""
         channel = self._channel(shard)
+        if channel is None:
+            return None
         return DirectCall(channel, channel.send(method, args), alive)

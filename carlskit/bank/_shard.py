@@ -64,25 +64,31 @@ class _Shard:
     def ping(self) -> int:
         return self.shard_index
 
-    def open_direct_path(self) -> dict[str, str] | None:
+    def open_direct_path(self, host: str | None = None) -> dict[str, str] | None:
         """Start serving the batch methods on a ZeroMQ socket beside the actor (see
         :mod:`carlskit.bank._direct`); its address, or None where the worker does not speak plain
-        tcp (the bank then keeps to Dask's RPC)."""
+        tcp or ``host`` (default: the worker's contact host) cannot be bound (the bank then keeps
+        to Dask's RPC)."""
+        import zmq
+
         from ._direct import DirectServer, worker_host
 
         with self._lock:
             if self._direct_server is None:
-                host = worker_host()
+                host = host or worker_host()
                 if host is None:
                     return None
-                self._direct_server = DirectServer(self, host)
+                try:
+                    self._direct_server = DirectServer(self, host)
+                except zmq.ZMQError:  # e.g. a contact address that is not a local interface
+                    return None
             return self._direct_server.address
 
-    def close_direct_path(self) -> None:
-        with self._lock:
-            server, self._direct_server = self._direct_server, None
-        if server is not None:  # outside the lock: the server may be waiting for it
-            server.stop()
+    def direct_path_serving(self, token: str) -> bool:
+        """Whether this shard's direct server with ``token`` is running (no lock: answers while
+        the server holds it). The server stops when the actor is released."""
+        server = self._direct_server
+        return server is not None and server.serving and server.token.hex() == token
 
     def create_table(self, name: str, config: dict[str, Any], capacity: int = 1024) -> None:
         with self._lock:

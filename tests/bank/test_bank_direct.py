@@ -2,6 +2,8 @@
 actor RPC, a token that strangers lack, correct replies under threads and out-of-order waits, and
 servers that stop with the bank."""
 
+import gc
+import socket
 import threading
 
 import numpy as np
@@ -10,8 +12,11 @@ import pytest
 distributed = pytest.importorskip("distributed")
 zmq = pytest.importorskip("zmq")
 
-from carlskit.bank import KnowledgeBank  # noqa: E402
-from carlskit.bank._direct import DirectCall, DirectChannel, decode, encode  # noqa: E402
+from carlskit.bank import KnowledgeBank, ShardLostError  # noqa: E402
+from carlskit.bank._bank import _bank_from_actors  # noqa: E402
+from carlskit.bank._direct import (DirectCall, DirectChannel, DirectPath, ShardError,  # noqa: E402
+                                   _rebuilt_error, decode, encode)
+from carlskit.bank._shard import _Shard  # noqa: E402
 from process_helpers import wait_until  # noqa: E402
 
 DIM = 8
@@ -36,9 +41,15 @@ def exercise(kb):
             "metadata": metadata, "stats": kb.stats()["tables"]["emb"]}
 
 
-def direct_threads(client, worker):
-    return client.run(lambda: sum(t.name.startswith("carlskit-bank-direct")
-                                  for t in threading.enumerate()), workers=[worker])[worker]
+def servers_running(client, addresses) -> int:
+    """How many of the shard servers at ``addresses`` have a thread running on the workers."""
+    ports = {address["endpoint"].rsplit(":", 1)[1] for address in addresses}
+
+    def count():
+        return sum(t.name.startswith("carlskit-bank-direct") and t.name.rsplit("-", 1)[1] in ports
+                   for t in threading.enumerate())
+
+    return sum(client.run(count).values())
 
 
 def test_direct_path_answers_like_dask_rpc(client):
@@ -175,14 +186,114 @@ def test_bank_in_a_dask_task_uses_the_direct_path(client):
 
 
 def test_servers_stop_with_the_bank(client):
-    worker = sorted(client.scheduler_info(n_workers=-1)["workers"])[0]
-    before = direct_threads(client, worker)
-    kb = KnowledgeBank(client, num_shards=2)
-    assert direct_threads(client, worker) == before + 1
-    kb.close()
-    wait_until(lambda: direct_threads(client, worker) == before, seconds=30)
+    """A shard's server stops when its actor is released: by close(), or by dropping the bank."""
+    for release in ("close", "drop"):
+        kb = KnowledgeBank(client, num_shards=2)
+        addresses = kb._direct.addresses
+        assert servers_running(client, addresses) == 2
+        if release == "close":
+            kb.close()
+        del kb
+        gc.collect()  # a dropped bank's actor handles go with Python's collection
+        wait_until(lambda: servers_running(client, addresses) == 0, seconds=30)
 
-    dropped = KnowledgeBank(client, num_shards=2)  # released without close(): the actor's end
-    assert direct_threads(client, worker) == before + 1
-    del dropped
-    wait_until(lambda: direct_threads(client, worker) == before, seconds=30)
+
+def test_closing_an_attached_bank_leaves_the_owner_working(client):
+    owner = KnowledgeBank(client, num_shards=2)
+    owner.create_table("emb", dim=DIM, seed=2)
+    keys = np.arange(50)
+    expected, _ = owner.lookup("emb", keys, insert_missing=True)
+    owner.publish("carlskit-test-direct")
+    KnowledgeBank.attach(client, "carlskit-test-direct").close()
+    np.testing.assert_array_equal(owner.lookup("emb", keys)[0], expected)
+    owner.close()  # the published dataset still holds the shards: attached banks keep working
+    attached = KnowledgeBank.attach(client, "carlskit-test-direct")
+    assert attached.transport == "direct"
+    np.testing.assert_array_equal(attached.lookup("emb", keys)[0], expected)
+    attached.close()
+    client.unpublish_dataset("carlskit-test-direct")
+
+
+def stop_direct_servers(dask_worker):
+    for actor in list(dask_worker.state.actors.values()):
+        server = getattr(actor, "_direct_server", None)
+        if server is not None:
+            server.stop()
+
+
+def test_a_stopped_server_is_an_error_naming_the_shard_not_a_hang(client):
+    kb = KnowledgeBank(client, num_shards=1)
+    kb.create_table("emb", dim=DIM)
+    kb.lookup("emb", np.arange(5), insert_missing=True)
+    client.run(stop_direct_servers, workers=[kb.shard_workers[0]])
+    wait_until(lambda: servers_running(client, kb._direct.addresses) == 0, seconds=30)
+    with pytest.raises(ShardLostError, match="shard 0 of 1.*direct server has stopped"):
+        kb.lookup("emb", np.arange(5))
+    kb.close()
+
+
+def test_an_unreachable_endpoint_falls_back_to_the_actor(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    kb.create_table("emb", dim=DIM, seed=4)
+    keys = np.arange(100)
+    expected, _ = kb.lookup("emb", keys, insert_missing=True)
+    with socket.socket() as unused:  # a port nobody listens on
+        unused.bind(("127.0.0.1", 0))
+        dead_end = f"tcp://127.0.0.1:{unused.getsockname()[1]}"
+    addresses = [dict(kb._direct.addresses[0]), kb._direct.addresses[1]]
+    addresses[0]["endpoint"] = dead_end  # as seen from behind NAT, say
+    behind_nat = _bank_from_actors(kb._shards, kb.shard_workers, kb.tables,
+                                   DirectPath(addresses, reach_seconds=0.5))
+    np.testing.assert_array_equal(behind_nat.lookup("emb", keys)[0], expected)
+    assert not behind_nat._direct.serves(0, "lookup") and behind_nat._direct.serves(1, "lookup")
+    kb.close()
+
+
+def test_a_host_that_cannot_be_bound_means_no_direct_path(client):
+    shard = client.submit(_Shard, 0, 1, actor=True, pure=False).result()
+    assert shard.open_direct_path("192.0.2.77").result() is None  # TEST-NET: not an interface
+    assert shard.open_direct_path().result()["endpoint"].startswith("tcp://")
+
+
+def test_shard_errors_keep_their_type_and_never_read_as_a_lost_shard(client):
+    kb = KnowledgeBank(client, num_shards=2)
+    kb.create_table("emb", dim=DIM)
+    address = kb._direct.addresses[0]
+    channel = DirectChannel(address["endpoint"], address["token"])
+    unknown = DirectCall(channel, channel.send("lookup", ("nope", np.arange(3), False)), lambda: None)
+    with pytest.raises(KeyError) as raised:
+        unknown.result()
+    assert raised.value.args == ("nope",)
+    channel.close()
+    with pytest.raises(KeyError):  # through the bank's own call path: not a ShardLostError
+        kb._call("lookup", {0: ("nope", np.arange(3), False)})
+    assert isinstance(_rebuilt_error({"type": "OverflowError", "message": "x"}), OverflowError)
+    assert isinstance(_rebuilt_error({"type": "ZMQError", "message": "x"}), ShardError)
+    with pytest.raises(ValueError, match="version must fit in int64"):
+        kb.update("emb", [1], np.zeros((1, DIM)), version=2**70)
+    metadata = kb.row_metadata("emb", np.zeros(0, np.int64))  # no keys, several shards
+    assert all(len(column) == 0 for column in metadata.values()) and "version" in metadata
+    kb.close()
+
+
+def test_done_does_not_wait_while_another_thread_waits_on_the_channel(client):
+    kb = KnowledgeBank(client, num_shards=1)
+    kb.create_table("emb", dim=DIM, initializer="zeros", capacity=1 << 21)
+    address = kb._direct.addresses[0]
+    channel = DirectChannel(address["endpoint"], address["token"])
+    rows = 1 << 21  # an update the shard takes a while over
+    big = channel.send("update", ("emb", np.arange(rows), np.ones((rows, DIM), np.float32), 1))
+    waiting = threading.Event()
+
+    def wait_for_big():
+        waiting.set()
+        channel.result(big, alive=lambda: None)
+
+    waiter = threading.Thread(target=wait_for_big)
+    waiter.start()
+    waiting.wait()
+    wait_until(channel._lock.locked, seconds=30, every=0.001)  # the waiter is polling the socket
+    assert channel.done(big) is False  # answered at once, while the waiter holds the socket
+    waiter.join()
+    channel.close()
+    kb.close()
