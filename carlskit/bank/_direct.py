@@ -113,7 +113,7 @@ def decode(header: bytes | memoryview, frames: list[Any]) -> Any:
 
 # ----------------------------------------------------------------------------- server (worker side)
 def worker_host() -> str | None:
-    """Host of this Dask worker's listening address when it speaks plain tcp, else None."""
+    """Host of this Dask worker's contact address when it speaks plain tcp, else None."""
     try:
         from distributed import get_worker
         from distributed.comm.addressing import get_address_host, parse_address
