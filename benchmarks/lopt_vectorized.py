@@ -8,8 +8,10 @@ over the host devices (``NamedSharding(task_mesh(32), P("tasks"))``; the script 
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` before JAX starts unless XLA_FLAGS already
 names a device count; the loop and the plain vmapped step run on one device as before). Figures are medians over interleaved
 repeats (the machine is shared); the 1-minute load average is printed with them. A second, secondary measurement repeats
-this on a 64-dim quadratic, where per-call overhead rather than arithmetic dominates. Prints one
-JSON object last.
+this on a 64-dim quadratic, where per-call overhead rather than arithmetic dominates. It also
+measures the most this machine allows (``speedup_ceiling_flops_32``, ``speedup_ceiling_roofline_32``:
+the loop's time over the vmapped step's FLOPs and bytes, from XLA's cost analysis, at this machine's
+best matmul and streaming rates; see ``ceiling``). Prints one JSON object last.
 
     python benchmarks/lopt_vectorized.py [--small]
 """
@@ -26,6 +28,7 @@ if HOST_DEVICES_FLAG not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {HOST_DEVICES_FLAG}=2".strip()
 
 import jax  # noqa: E402  (after XLA_FLAGS)
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
@@ -103,6 +106,62 @@ def measure(rule, task, num_tasks: int, rounds: int, label: str) -> tuple[list, 
     return loop_rates, vector_rates, split_rates
 
 
+def best_seconds(fn, *args, repeats: int = 20, calls: int = 20) -> float:
+    """Best over ``repeats`` of the mean time of ``calls`` calls of a jitted ``fn`` (after one warm-up)."""
+    jax.block_until_ready(fn(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        best = min(best, (time.perf_counter() - start) / calls)
+    return best
+
+
+def ceiling(rule, task, num_tasks: int, loop_rate: float) -> dict:
+    """Upper bounds on the vectorized speedup that this machine allows, measured in this process.
+
+    The vmapped step's work is taken from XLA's own cost analysis (FLOPs and bytes accessed per
+    call). It cannot run faster than all its FLOPs at the best rate of the matmul that dominates it
+    (the optimizer MLP's hidden layer, ``[h, h] @ [h, num_tasks * num_params]``, best of repeats),
+    nor faster than all its bytes at the machine's best streaming rate on tensors of that size.
+    ``loop time / that time`` bounds the speedup from above (the loop is timed as measured).
+    """
+    meta_params = rule.init_meta_params(jax.random.PRNGKey(0))
+    task_keys = jax.random.split(jax.random.PRNGKey(1), num_tasks)
+
+    def task_params(task_key):
+        return task.sample_task_params(jax.random.fold_in(task_key, 2))
+
+    def step(theta, state, task_key):
+        state, losses = unroll(rule, task, theta, state, task_key, task_params(task_key), 1)
+        return state, losses[0]
+
+    batched = jax.vmap(lambda k: init_inner_state(rule, task, k, task_params(k)))(task_keys)
+    cost = jax.jit(jax.vmap(step, in_axes=(None, 0, 0))).lower(meta_params, batched, task_keys).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    flops, bytes_accessed = float(cost["flops"]), float(cost["bytes accessed"])
+    num_params = sum(x.size for x in jax.tree.leaves(task.init(jax.random.PRNGKey(0), task_params(task_keys[0]))))
+    width = rule.hidden_sizes[-1]
+    weights = jax.random.normal(jax.random.PRNGKey(2), (width, width), jnp.float32)
+    hidden = jax.random.normal(jax.random.PRNGKey(3), (width, num_tasks * num_params), jnp.float32)
+    matmul_s = best_seconds(jax.jit(lambda w, h: w.T @ h), weights, hidden)
+    matmul_flops_per_s = 2.0 * width * width * hidden.shape[1] / matmul_s
+    stream_s = best_seconds(jax.jit(lambda h: h * 2.0), hidden)
+    stream_bytes_per_s = 2.0 * hidden.size * hidden.dtype.itemsize / stream_s  # read + write
+    loop_call_s = num_tasks / loop_rate  # one round of the loop: the same work as one vmapped call
+    flops_s, bytes_s = flops / matmul_flops_per_s, bytes_accessed / stream_bytes_per_s
+    return {
+        "vmapped_step_gflop": round(flops / 1e9, 4),
+        "vmapped_step_mbytes_accessed": round(bytes_accessed / 1e6, 1),
+        "matmul_gflop_per_s": round(matmul_flops_per_s / 1e9, 1),
+        "stream_gbytes_per_s": round(stream_bytes_per_s / 1e9, 1),
+        f"speedup_ceiling_flops_{num_tasks}": round(loop_call_s / flops_s, 2),
+        f"speedup_ceiling_roofline_{num_tasks}": round(loop_call_s / max(flops_s, bytes_s), 2),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
@@ -115,6 +174,8 @@ def main() -> None:
     loop_rates, vector_rates, split_rates = measure(rule, DigitsMLPTask((32,), "relu", 128), num_tasks, rounds,
                                                     "digits MLP")
     # Secondary: a tiny task (64-dim quadratic) where per-call overhead, not arithmetic, dominates.
+    digits_ceiling = ceiling(rule, DigitsMLPTask((32,), "relu", 128), num_tasks, float(np.median(loop_rates)))
+    print(f"digits MLP ceiling: {digits_ceiling}", flush=True)
     small_loop, small_vector, _ = measure(rule, QuadraticTask(64, 10.0, 0.1), num_tasks, rounds * 5, "quadratic")
     loop_rate, vector_rate = float(np.median(loop_rates)), float(np.median(vector_rates))
     result = {
@@ -131,6 +192,7 @@ def main() -> None:
         "split_devices": 1 if task_mesh(num_tasks) is None else int(task_mesh(num_tasks).devices.size),
         "vectorized_split_inner_steps_per_s": round(float(np.median(split_rates)), 1),
         f"vectorized_split_speedup_{num_tasks}": round(float(np.median(split_rates)) / loop_rate, 2),
+        **digits_ceiling,
         f"quadratic64_vectorized_speedup_{num_tasks}": round(float(np.median(small_vector) / np.median(small_loop)), 2),
         "quadratic64_loop_inner_steps_per_s": round(float(np.median(small_loop)), 1),
         "quadratic64_vectorized_inner_steps_per_s": round(float(np.median(small_vector)), 1),
