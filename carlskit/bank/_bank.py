@@ -37,7 +37,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from ._direct import DirectCall, DirectPath, DirectPathLost
+from ._direct import DirectCall, DirectPath, DirectPathLost, DirectRequestLost
 from ._hashing import key_from_string, shard_of
 from ._nearest import METRICS, top_k
 from ._shard import _Shard
@@ -338,6 +338,10 @@ class KnowledgeBank:
             if isinstance(future, DirectCall):
                 try:
                     results[i] = future.result()
+                except DirectRequestLost as error:  # the shard lives; only this call is in doubt
+                    raise ConnectionError(f"shard {i} of {self.num_shards}: {error}; the shard is still "
+                                          f"serving, so the call can be retried (a write may already "
+                                          f"have been applied)") from error
                 except DirectPathLost as error:  # any other error is the shard's own: as is
                     raise self._lost(i, error) from error
                 continue

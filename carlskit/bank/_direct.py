@@ -53,6 +53,11 @@ class DirectPathLost(ConnectionError):
     """The shard behind a direct channel no longer answers (its worker or actor is gone)."""
 
 
+class DirectRequestLost(DirectPathLost):
+    """A request or its reply was lost in transit (a reset connection) while the server is alive:
+    a write may or may not have been applied."""
+
+
 class ShardError(Exception):
     """An error raised in a shard whose type is not a Python built-in (type name in the message)."""
 
@@ -288,25 +293,43 @@ class DirectChannel:
     def result(self, request_id: int, alive: Callable[[], None]) -> Any:
         """The reply to ``request_id``, its error raised as the built-in type it had in the shard
         (else :class:`ShardError`). Waits in short slices, so other threads can send and receive
-        on this channel meanwhile. Every :data:`LIVENESS_SECONDS` without a reply, ``alive()`` is
-        called (outside the lock); it raises when the shard or its server is gone, re-raised as
-        :class:`DirectPathLost`."""
+        on this channel meanwhile.
+
+        Every :data:`LIVENESS_SECONDS` without a reply, ``alive()`` is called (outside the lock); it
+        raises when the shard or its server is gone, re-raised as :class:`DirectPathLost`. A ping is
+        then also sent on this channel: the server answers one connection's requests in order, so
+        a ping answered while the request is not means the request or its reply was lost (a reset
+        connection; ZeroMQ reconnects, but drops what was in flight), also :class:`DirectPathLost`.
+        """
         last_check = time.monotonic()
-        while True:
-            with self._lock:
-                if request_id in self._replies:
-                    status, frames = self._replies.pop(request_id)
-                    break
-                if self._socket.poll(_WAIT_SLICE_MS):
-                    self._receive_one()
-                    continue
-            if time.monotonic() - last_check >= LIVENESS_SECONDS:
-                try:
-                    alive()
-                except Exception as error:  # noqa: BLE001 - any failure means: not reachable
-                    raise DirectPathLost(f"no reply from the shard's direct path, and "
-                                         f"{type(error).__name__}: {error}") from error
-                last_check = time.monotonic()
+        probe, probe_sent = None, 0.0
+        try:
+            while True:
+                with self._lock:
+                    if request_id in self._replies:
+                        status, frames = self._replies.pop(request_id)
+                        break
+                    if probe is not None and probe in self._replies:
+                        raise DirectRequestLost("the request or its reply was lost: a ping sent after it on the "
+                                             "same connection was answered first (the connection was reset)")
+                    if self._socket.poll(_WAIT_SLICE_MS):
+                        self._receive_one()
+                        continue
+                now = time.monotonic()
+                if now - last_check >= LIVENESS_SECONDS:
+                    try:
+                        alive()
+                    except Exception as error:  # noqa: BLE001 - any failure means: not reachable
+                        raise DirectPathLost(f"no reply from the shard's direct path, and "
+                                             f"{type(error).__name__}: {error}") from error
+                    if probe is None or now - probe_sent >= REACH_SECONDS:  # a lost probe is resent
+                        if probe is not None:
+                            self.forget(probe)
+                        probe, probe_sent = self.send("ping", ()), now
+                    last_check = time.monotonic()
+        finally:
+            if probe is not None:
+                self.forget(probe)
         if status == b"ok":
             return decode(frames[0].bytes, frames[1:])
         raise _rebuilt_error(json.loads(frames[0].bytes))

@@ -14,8 +14,9 @@ zmq = pytest.importorskip("zmq")
 
 from carlskit.bank import KnowledgeBank, ShardLostError  # noqa: E402
 from carlskit.bank._bank import _bank_from_actors  # noqa: E402
-from carlskit.bank._direct import (DirectCall, DirectChannel, DirectPath, ShardError,  # noqa: E402
-                                   _rebuilt_error, decode, encode)
+from carlskit.bank import _direct  # noqa: E402
+from carlskit.bank._direct import (DirectCall, DirectChannel, DirectPath, DirectRequestLost,  # noqa: E402
+                                   ShardError, _rebuilt_error, decode, encode)
 from carlskit.bank._shard import _Shard  # noqa: E402
 from process_helpers import wait_until  # noqa: E402
 
@@ -296,4 +297,35 @@ def test_done_does_not_wait_while_another_thread_waits_on_the_channel(client):
     assert channel.done(big) is False  # answered at once, while the waiter holds the socket
     waiter.join()
     channel.close()
+    kb.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_reply_lost_to_a_reset_connection_is_an_error_not_a_hang(client, monkeypatch):
+    monkeypatch.setattr(_direct, "LIVENESS_SECONDS", 0.05)  # check (and ping) often while waiting
+    kb = KnowledgeBank(client, num_shards=1)
+    rows = 1 << 21  # an update the shard takes a while over: several checks fall inside it
+    kb.create_table("emb", dim=DIM, initializer="zeros", capacity=rows)
+    address = kb._direct.addresses[0]
+    channel = DirectChannel(address["endpoint"], address["token"])
+    values = np.ones((rows, DIM), np.float32)
+    slow = channel.send("update", ("emb", np.arange(rows), values, 1))
+    assert channel.result(slow, alive=lambda: None) is None  # pings queue behind it: no false alarm
+    lost = channel.send("update", ("emb", np.arange(rows), values, 2))
+    channel._socket.disconnect(address["endpoint"])  # a reset: ZeroMQ reconnects under a new
+    channel._socket.connect(address["endpoint"])  # identity; the old request or reply is dropped
+    with pytest.raises(DirectRequestLost, match="lost"):
+        channel.result(lost, alive=lambda: None)
+    assert channel.result(channel.send("ping", ()), alive=lambda: None) == 0  # the channel works on
+    assert channel.pending_replies == 0
+    channel.close()
+    # Through the bank: an error naming the shard that says it still serves (not ShardLostError).
+    pending = kb.lookup_async("emb", np.arange(rows))
+    bank_channel = kb._direct._channel(0)
+    bank_channel._socket.disconnect(address["endpoint"])
+    bank_channel._socket.connect(address["endpoint"])
+    with pytest.raises(ConnectionError, match="shard 0 of 1: the request or its reply was lost.*retried") as raised:
+        pending.result()
+    assert not isinstance(raised.value, ShardLostError)
+    np.testing.assert_array_equal(kb.lookup("emb", [0, rows - 1])[0], np.ones((2, DIM)))  # and works on
     kb.close()
