@@ -15,9 +15,9 @@ Entry points usable from any process (e.g. Dask workers): ``full_es_gradient(met
 and ``pes_gradient(meta_params, key, state, ...)`` with configuration as static keyword arguments,
 or ``make_full_es_estimator`` / ``make_pes_estimator`` which bind the configuration and jit.
 
-``make_pes_estimator`` splits the task axis (the pairs) over the local JAX devices: with 2 devices
-each runs half of the pairs, and the only communication is the final sum over pairs (an
-all-reduce of the meta-gradient). On a CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+``make_pes_estimator`` and ``make_full_es_estimator`` split the task axis (the pairs) over the local
+JAX devices: with 2 devices each runs half of the pairs, and the only communication is the final
+sum over pairs (an all-reduce of the meta-gradient). On a CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
 (set before JAX starts) gives N host devices whose programs run on separate threads.
 """
 
@@ -179,12 +179,28 @@ def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: 
 
 
 def make_full_es_estimator(rule: Any, task: Any, *, num_tasks: int, num_steps: int, std: float = 0.01,
-                           aggregation: str = "mean") -> Callable[[PyTree, jax.Array], tuple[PyTree, dict]]:
-    """Bind the configuration: returns the pure ``(meta_params, key) -> (grad, metrics)``."""
+                           aggregation: str = "mean", devices: Sequence[jax.Device] | None = None
+                           ) -> Callable[[PyTree, jax.Array], tuple[PyTree, dict]]:
+    """Bind the configuration: returns the pure ``(meta_params, key) -> (grad, metrics)``.
+
+    The pairs are split over ``task_mesh(num_tasks, devices)`` as in :func:`make_pes_estimator`
+    (the task keys split along ``("tasks",)``, everything else replicated); the result equals the
+    one-device estimator's up to float summation order.
+    """
+    gradient = functools.partial(full_es_gradient, rule=rule, task=task, num_steps=num_steps, std=std,
+                                 aggregation=aggregation)
+    mesh = task_mesh(num_tasks, devices)
+    if mesh is not None:
+        split, replicated = NamedSharding(mesh, PartitionSpec("tasks")), NamedSharding(mesh, PartitionSpec())
+        sharded = jax.jit(gradient, in_shardings=(replicated, replicated, split),
+                          out_shardings=(replicated, replicated))
+
     def estimator(meta_params: PyTree, key: jax.Array) -> tuple[PyTree, dict]:
         task_key, eps_key = jax.random.split(key)
-        return full_es_gradient(meta_params, eps_key, jax.random.split(task_key, num_tasks), rule=rule, task=task,
-                                num_steps=num_steps, std=std, aggregation=aggregation)
+        task_keys = jax.random.split(task_key, num_tasks)
+        if mesh is None:
+            return gradient(meta_params, eps_key, task_keys)
+        return sharded(_place(meta_params, replicated), _place(eps_key, replicated), _place(task_keys, split))
 
     return estimator
 

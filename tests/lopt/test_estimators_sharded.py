@@ -1,5 +1,5 @@
-"""PES with its pairs split over 2 host devices gives the one-device result (run in a subprocess,
-because the device count is fixed when JAX starts)."""
+"""PES and full-unroll ES with their pairs split over 2 host devices give the one-device results
+(run in a subprocess, because the device count is fixed when JAX starts)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import numpy as np
 
 SHARDED_VS_ONE_DEVICE = r"""
 import json, jax, numpy as np, pytest
-from carlskit.lopt import LearnableAdamRule, QuadraticTask, make_pes_estimator, task_mesh
+from carlskit.lopt import LearnableAdamRule, QuadraticTask, make_full_es_estimator, make_pes_estimator, task_mesh
 
 rule, task = LearnableAdamRule(initial_learning_rate=0.05), QuadraticTask(dim=8, condition=10.0, noise_std=0.1)
 theta = rule.init_meta_params(jax.random.PRNGKey(0))
@@ -28,6 +28,12 @@ for i in range(4):
     losses.append([np.asarray(m["pair_losses"]).tolist() for m in (m1, m2)])
     max_diff = max(max_diff, *(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
                                 for a, b in zip(jax.tree.leaves(state_one), jax.tree.leaves(state_two))))
+es_one = make_full_es_estimator(rule, task, num_tasks=4, num_steps=10, devices=jax.local_devices()[:1])
+es_two = make_full_es_estimator(rule, task, num_tasks=4, num_steps=10)
+es = [es_one(theta, jax.random.PRNGKey(7)), es_two(theta, jax.random.PRNGKey(7))]
+es_grads = [np.concatenate([np.ravel(x) for x in jax.tree.leaves(g)]).tolist() for g, _ in es]
+es_losses = [np.asarray(m["pair_losses"]).tolist() for _, m in es]
+es_devices = sorted({len(leaf.sharding.device_set) for leaf in jax.tree.leaves(es[1])})
 shards = {str(i): [list(s.data.shape) for s in leaf.addressable_shards]
           for i, leaf in enumerate(jax.tree.leaves(state_two))}
 errors = []
@@ -40,11 +46,12 @@ print(json.dumps({"devices": len(jax.devices()), "grads": grads, "losses": losse
                   "state_devices": sorted({len(l.sharding.device_set) for l in jax.tree.leaves(state_two)}),
                   "one_devices": sorted({len(l.sharding.device_set) for l in jax.tree.leaves(state_one)}),
                   "steps": np.asarray(state_two.inner.step).tolist(), "shards": shards,
-                  "odd_default": task_mesh(3) is None, "errors": errors}))
+                  "odd_default": task_mesh(3) is None, "errors": errors,
+                  "es_grads": es_grads, "es_losses": es_losses, "es_devices": es_devices}))
 """
 
 
-def test_pes_split_over_two_devices_matches_one_device():
+def test_pes_and_es_split_over_two_devices_match_one_device():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
@@ -70,3 +77,9 @@ def test_pes_split_over_two_devices_matches_one_device():
     # 3 tasks cannot be split over 2 devices: the default falls back to one, explicit devices are refused.
     assert result["odd_default"]
     assert any("num_tasks (3)" in e for e in result["errors"]) and any("devices" in e for e in result["errors"])
+    # Full-unroll ES: same pair losses and gradient; results replicated on both devices.
+    assert result["es_devices"] == [2]
+    np.testing.assert_allclose(result["es_losses"][1], result["es_losses"][0], rtol=1e-5)
+    one, two = result["es_grads"]
+    assert np.linalg.norm(one) > 0
+    np.testing.assert_allclose(two, one, rtol=1e-3, atol=1e-3 * np.max(np.abs(one)))
