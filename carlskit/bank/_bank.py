@@ -659,6 +659,15 @@ class KnowledgeBank:
         return {"num_shards": self.num_shards, "distributed": self.distributed,
                 "transport": self.transport, "tables": tables}
 
+    def status(self) -> dict[str, Any]:
+        """A dashboard summary (the source protocol of :class:`carlskit.widgets.ClusterStatus`):
+        shards, transport and one row per table (rows, pending gradients, version range)."""
+        stats = self.stats()
+        tables = [{"table": name, "rows": t["rows"], "rows_per_shard": t["rows_per_shard"],
+                   "pending_gradients": t["pending_gradients"], "min_version": t["min_version"],
+                   "max_version": t["max_version"]} for name, t in stats["tables"].items()]
+        return {"shards": self.num_shards, "transport": self.transport, "tables": tables}
+
     # ------------------------------------------------------------------ snapshots
     def save(self, path: str | os.PathLike) -> None:
         """Write a snapshot directory: ``manifest.json`` plus one ``table_NNN.npz`` per table

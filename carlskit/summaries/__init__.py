@@ -1,7 +1,7 @@
 """Summaries (Metz et al. 2022, Appendix H.1): batched, sampled logging to aggregators sharded by
 summary name, a checksummed append-only file format, and an incremental reader.
 
-The file format is specified in :mod:`carlskit.summaries._format` and docs/notes/summaries_readme.md.
+The file format is specified in :mod:`carlskit.summaries._format` and docs/summaries_format.md.
 """
 
 from carlskit.summaries._format import CorruptRecordError

@@ -9,6 +9,7 @@ import pandas as pd
 import pytest
 
 import carlskit
+from carlskit.bank import KnowledgeBank
 from carlskit.summaries import SummaryReader, SummaryWriter
 from carlskit.widgets import ClusterStatus, EvalCurves, LiveSummaries, curves_frame, smooth
 
@@ -169,22 +170,18 @@ def test_eval_curves_empty():
     assert "0 checkpoints" in repr(curves)
 
 
-class FakeFreeBank:
-    """A component reporting its status the way banks and makers do."""
-
-    name = "knowledge bank"
-
-    def __init__(self):
-        self.sizes = {"embeddings": 10}
-
-    def status(self):
-        return {"tables": [{"table": key, "size": size} for key, size in self.sizes.items()], "shards": 2}
+def small_bank() -> KnowledgeBank:
+    """An in-process bank with one table of 10 rows: a real ``status()`` source."""
+    bank = KnowledgeBank(num_shards=2)
+    bank.create_table("embeddings", dim=4)
+    bank.lookup("embeddings", np.arange(10), insert_missing=True)
+    return bank
 
 
 def test_cluster_status_with_a_client_and_pluggable_sources(no_leftover_processes):
     client = carlskit.connect(n_workers=1)
     try:
-        bank = FakeFreeBank()
+        bank = small_bank()
         def broken_maker():
             return 1 / 0
 
@@ -193,11 +190,14 @@ def test_cluster_status_with_a_client_and_pluggable_sources(no_leftover_processe
         snapshot = status.snapshot
         assert len(snapshot["workers"]) == 1 and snapshot["workers"][0]["threads"] == 1
         assert {row["process"] for row in snapshot["devices"]} == {"client", snapshot["workers"][0]["worker"]}
-        assert snapshot["sources"]["knowledge bank"]["shards"] == 2
+        assert snapshot["sources"]["KnowledgeBank"]["shards"] == 2
+        assert snapshot["sources"]["KnowledgeBank"]["tables"][0] == {
+            "table": "embeddings", "rows": 10, "rows_per_shard": [6, 4], "pending_gradients": 0,
+            "min_version": None, "max_version": None}
         assert snapshot["sources"]["<lambda>"] == {"lag_s": 0.25}
         assert snapshot["sources"]["<lambda> (2)"] == {"lag_s": 1.5}
         assert "ZeroDivisionError" in snapshot["sources"]["broken_maker"]["error"]
-        bank.sizes["queries"] = 5
+        bank.create_table("queries", dim=4)
         status.refresh()
         assert "queries" in status.html.value and "embeddings" in repr(status)
         assert WIDGET_VIEW in status._repr_mimebundle_()
@@ -209,7 +209,7 @@ def test_cluster_status_with_a_client_and_pluggable_sources(no_leftover_processe
 
 
 def test_cluster_status_without_cluster_or_front_end():
-    status = ClusterStatus(sources=[FakeFreeBank()], show_devices=False)
+    status = ClusterStatus(sources=[small_bank()], show_devices=False)
     assert "0 workers" in repr(status) and "embeddings" in repr(status)
     assert "no cluster" in status._repr_html_()
     with pytest.raises(TypeError, match="client"):
