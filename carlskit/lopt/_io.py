@@ -27,6 +27,7 @@ from carlskit._serialization import atomic_write, filesystem
 FORMAT_VERSION = 2
 DESCRIPTION_ENTRY = "__carlskit__"
 SUFFIX = ".npz"
+ZIP_MAGIC = b"PK\x03\x04"  # every .npz starts with a zip local file header
 
 
 def meta_params_file(path: str | os.PathLike) -> pathlib.Path:
@@ -163,18 +164,20 @@ def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     file = meta_params_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such learned-optimizer file")
+    with open(file, "rb") as handle:
+        magic = handle.read(len(ZIP_MAGIC))
+    if magic != ZIP_MAGIC:
+        raise _corrupt(file, "empty file" if not magic else "not an .npz (zip) archive")
     try:
-        archive = np.load(file, allow_pickle=False)
-        if not isinstance(archive, np.lib.npyio.NpzFile):
-            raise TypeError("a single .npy array, not an .npz archive")
-        with archive:
+        with np.load(file, allow_pickle=False) as archive:
             arrays = {name: archive[name] for name in archive.files}
     except Exception as err:  # zip, zlib, npy header, pickle refusal...: all mean a bad file
         raise _corrupt(file, f"{type(err).__name__}: {err}") from err
 
     raw = arrays.pop(DESCRIPTION_ENTRY, None)
     if raw is None:
-        raise _corrupt(file, f"no {DESCRIPTION_ENTRY!r} entry")
+        raise _corrupt(file, f"no {DESCRIPTION_ENTRY!r} entry; files of the old two-file layout "
+                             "(.npz + .json) are not read any more")
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise _corrupt(file, f"{DESCRIPTION_ENTRY!r} is {raw.dtype}{list(raw.shape)}, expected 1-D uint8")
     try:

@@ -131,10 +131,11 @@ def _edit_config(change):
 
 CORRUPTIONS = {
     "truncated": (lambda f: f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2]), "BadZipFile"),
-    "empty": (lambda f: f.write_bytes(b""), "EOFError"),
-    "garbage": (lambda f: f.write_bytes(b"not an npz at all" * 10), "corrupt"),
+    "empty": (lambda f: f.write_bytes(b""), "empty file"),
+    "garbage": (lambda f: f.write_bytes(b"not an npz at all" * 10), "not an .npz (zip) archive"),
     "bit flip": (_flip_a_weight_bit, "CRC"),
-    "plain npy": (lambda f: f.write_bytes(_npy_bytes(np.zeros(3))), "not an .npz"),
+    "plain npy": (lambda f: f.write_bytes(_npy_bytes(np.zeros(3))), "not an .npz (zip) archive"),
+    "truncated header": (lambda f: f.write_bytes(f.read_bytes()[:40]), "BadZipFile"),
     "no description": (lambda f: _rewrite(f, raw_description=False), "no '__carlskit__' entry"),
     "truncated JSON": (lambda f: _rewrite(f, raw_description=b'{"format_version": 2, "struct'), "bad JSON"),
     "NaN in JSON": (lambda f: _rewrite(f, raw_description=b'{"format_version": NaN}'), "NaN"),
@@ -143,6 +144,10 @@ CORRUPTIONS = {
                                                                            if k != "structure"}), "structure"),
     "old format_version": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "format_version": 1}),
                            "format_version 1"),
+    "bad structure node": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"dict": 5}}),
+                           "bad structure node"),
+    "leaf listed twice": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"list": [
+        "leaf:0", "leaf:0"]}}), "twice"),
     "missing rule": (lambda f: _rewrite(f, edit_description=_edit_config(lambda c: c.pop("rule"))), "'rule'"),
     "unknown rule field": (lambda f: _rewrite(f, edit_description=_edit_config(
         lambda c: c["rule"].update(momentum=0.9))), "momentum"),
