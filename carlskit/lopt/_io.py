@@ -1,89 +1,205 @@
-"""Meta-parameters on disk without pickle: ``<path>.npz`` (arrays) + ``<path>.json`` (structure, config).
+"""Meta-parameters on disk without pickle: ONE ``.npz`` holding the arrays and a JSON description.
 
-Both files are written to temporary names then moved into place with ``os.replace`` (atomic), the
-arrays first, so a reader sees either the old pair or the new one.
+Layout of ``<name>.npz`` (``format_version`` 2): entries ``leaf_0 .. leaf_{n-1}`` (the meta-parameter
+arrays, real floating dtypes) and ``__carlskit__``, a ``uint8`` array holding UTF-8 JSON
+``{"format_version": 2, "structure": ..., "config": ...}``. ``structure`` describes the nested
+dicts/lists with leaves named ``"leaf:<i>"``; ``config`` is the caller's JSON (rule, horizon, info).
+
+Everything is serialized and checked in memory first; then the bytes go to a temporary sibling which
+is renamed over the target (``os.replace``, atomic). A failing save leaves the previous file as it was
+and no temporary file; a reader sees the old file or the new one, never a mix.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import os
 import pathlib
-import tempfile
 from typing import Any
 
 import jax
 import numpy as np
 
-FORMAT_VERSION = 1
+from carlskit._serialization import atomic_write, filesystem
+
+FORMAT_VERSION = 2
+DESCRIPTION_ENTRY = "__carlskit__"
+SUFFIX = ".npz"
+ZIP_MAGIC = b"PK\x03\x04"  # every .npz starts with a zip local file header
 
 
-def _base(path: str | os.PathLike) -> pathlib.Path:
-    path = pathlib.Path(path)
-    return path.with_suffix("") if path.suffix in (".npz", ".json") else path
+def meta_params_file(path: str | os.PathLike) -> pathlib.Path:
+    """The file ``save_meta_params(path, ...)`` writes: ``path`` if it ends in ``.npz``, else ``path + '.npz'``.
+
+    The suffix is appended, never substituted, so ``"lopt.v1"`` and ``"lopt.v2"`` are different files.
+    """
+    name = os.fspath(path)
+    if not isinstance(name, str):
+        raise TypeError(f"path must be a str or os.PathLike naming a file, got {path!r}")
+    return pathlib.Path(name if name.endswith(SUFFIX) else name + SUFFIX)
 
 
-def _atomic_write(target: pathlib.Path, write) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            write(handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the usual file mode
-        os.replace(tmp, target)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+# ---------------------------------------------------------------------------------------- checking
+def _key_path(prefix: str, key: Any) -> str:
+    return f"{prefix}[{key!r}]"
 
 
-def _structure(tree: Any) -> Any:
-    """JSON description of nested dicts / lists of arrays; leaves become ``'leaf:<i>'``."""
-    counter = iter(range(1 << 30))
+def _check_json(value: Any, where: str) -> None:
+    """Raise naming ``where`` (e.g. ``config['info']['loss']``) unless ``value`` is plain, finite JSON."""
+    if value is None or isinstance(value, (bool, str)):
+        return
+    if isinstance(value, float):  # includes np.float64, a float subclass
+        if type(value) is not float:
+            raise TypeError(f"{where}: {type(value).__name__} is not a plain JSON value; use float(...)")
+        if not math.isfinite(value):
+            raise ValueError(f"{where}: {value!r} is not a finite number (JSON has no NaN/Infinity)")
+        return
+    if isinstance(value, int):
+        if type(value) is not int:
+            raise TypeError(f"{where}: {type(value).__name__} is not a plain JSON value; use int(...)")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"{where}: key {key!r} is not a str (JSON object keys are strings)")
+            _check_json(item, _key_path(where, key))
+        return
+    if isinstance(value, (list, tuple)):
+        for index, item in enumerate(value):
+            _check_json(item, f"{where}[{index}]")
+        return
+    raise TypeError(f"{where}: {type(value).__name__} is not JSON-serializable "
+                    "(use dict, list, str, int, float, bool or None)")
 
-    def walk(node):
+
+def _flatten(meta_params: Any) -> tuple[Any, dict[str, np.ndarray]]:
+    """``(structure, {"leaf_<i>": array})`` of nested dicts (str keys) / lists of real floating arrays."""
+    arrays: dict[str, np.ndarray] = {}
+
+    def walk(node: Any, where: str) -> Any:
         if isinstance(node, dict):
-            return {"dict": {str(k): walk(v) for k, v in sorted(node.items())}}
+            for key in node:
+                if not isinstance(key, str):
+                    raise TypeError(f"{where}: key {key!r} is not a str")
+            return {"dict": {key: walk(node[key], _key_path(where, key)) for key in sorted(node)}}
         if isinstance(node, (list, tuple)):
-            return {"list": [walk(v) for v in node]}
-        return f"leaf:{next(counter)}"
+            return {"list": [walk(item, f"{where}[{index}]") for index, item in enumerate(node)]}
+        if not isinstance(node, (np.ndarray, np.generic, jax.Array, float)) or isinstance(node, bool):
+            raise TypeError(f"{where}: leaf of type {type(node).__name__}; expected a floating array")
+        array = np.asarray(node)
+        if not np.issubdtype(array.dtype, np.floating):
+            raise TypeError(f"{where}: dtype {array.dtype}; meta-parameters must have a real floating dtype")
+        if not np.all(np.isfinite(array)):
+            raise ValueError(f"{where}: holds NaN or infinite values")
+        name = f"leaf_{len(arrays)}"
+        arrays[name] = array
+        return name.replace("_", ":")
 
-    return walk(tree)
+    return walk(meta_params, "meta_params"), arrays
 
 
-def _rebuild(structure: Any, arrays: dict[str, np.ndarray]) -> Any:
-    if isinstance(structure, str):
-        return arrays[structure.replace(":", "_")]
-    if "dict" in structure:
-        return {k: _rebuild(v, arrays) for k, v in structure["dict"].items()}
-    return [_rebuild(v, arrays) for v in structure["list"]]
+def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    buffer = io.BytesIO()
+    np.savez(buffer, allow_pickle=False, **arrays)
+    return buffer.getvalue()
 
 
+# ---------------------------------------------------------------------------------------- writing
 def save_meta_params(path: str | os.PathLike, meta_params: Any, config: dict[str, Any]) -> pathlib.Path:
-    """Write ``meta_params`` (nested dicts/lists of arrays) and a JSON ``config``; returns the base path."""
-    base = _base(path)
-    structure = _structure(meta_params)
-    leaves = jax.tree.leaves(meta_params)
-    arrays = {f"leaf_{i}": np.asarray(leaf) for i, leaf in enumerate(leaves)}
-    _atomic_write(base.with_suffix(".npz"), lambda handle: np.savez(handle, **arrays))
+    """Write ``meta_params`` and the JSON ``config`` to one ``.npz``, atomically; returns the file written.
+
+    The file is ``meta_params_file(path)``. Raises ``TypeError``/``ValueError`` naming the offending
+    leaf or config key (non-floating or non-finite arrays, values JSON cannot hold exactly) before
+    anything is written.
+    """
+    target = meta_params_file(path)
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict, got {type(config).__name__}")
+    _check_json(config, "config")
+    structure, arrays = _flatten(meta_params)
     document = {"format_version": FORMAT_VERSION, "structure": structure, "config": config}
-    _atomic_write(base.with_suffix(".json"), lambda handle: handle.write(json.dumps(document, indent=1).encode()))
-    return base
+    description = json.dumps(document, allow_nan=False, indent=1).encode()
+    arrays[DESCRIPTION_ENTRY] = np.frombuffer(description, np.uint8)
+    data = _npz_bytes(arrays)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(*filesystem(target), data)
+    return target
+
+
+# ---------------------------------------------------------------------------------------- reading
+def _corrupt(file: pathlib.Path, problem: str) -> ValueError:
+    return ValueError(f"{file}: corrupt or not a carlskit learned-optimizer file ({problem})")
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
+def _rebuild(file: pathlib.Path, structure: Any, arrays: dict[str, np.ndarray], used: set[str]) -> Any:
+    if isinstance(structure, str):
+        name = structure.replace(":", "_")
+        if not structure.startswith("leaf:") or name not in arrays:
+            raise _corrupt(file, f"structure names leaf {structure!r}, which the file does not hold")
+        if name in used:
+            raise _corrupt(file, f"structure names leaf {structure!r} twice")
+        used.add(name)
+        return arrays[name]
+    if isinstance(structure, dict) and len(structure) == 1:
+        if isinstance(structure.get("dict"), dict):
+            return {key: _rebuild(file, value, arrays, used) for key, value in structure["dict"].items()}
+        if isinstance(structure.get("list"), list):
+            return [_rebuild(file, value, arrays, used) for value in structure["list"]]
+    raise _corrupt(file, f"bad structure node {json.dumps(structure)[:80]}")
 
 
 def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
-    """Inverse of ``save_meta_params``: returns ``(meta_params, config)`` (arrays as ``jnp`` arrays)."""
-    base = _base(path)
-    if not base.with_suffix(".json").exists() or not base.with_suffix(".npz").exists():
-        raise FileNotFoundError(f"path: expected {base}.json and {base}.npz")
-    document = json.loads(base.with_suffix(".json").read_text())
-    if document.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"path: unsupported format_version {document.get('format_version')!r}")
-    with np.load(base.with_suffix(".npz"), allow_pickle=False) as data:
-        arrays = {k: data[k] for k in data.files}
-    meta_params = jax.tree.map(jax.numpy.asarray, _rebuild(document["structure"], arrays))
-    return meta_params, document["config"]
+    """Inverse of ``save_meta_params``: ``(meta_params, config)``, arrays as ``jnp`` arrays.
+
+    ``path`` may be given with or without ``.npz``. Missing file: ``FileNotFoundError``; anything
+    unreadable (truncated, bit flips, missing entries, bad JSON, leaves not matching the structure):
+    ``ValueError`` naming the file and the problem.
+    """
+    file = meta_params_file(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no such learned-optimizer file")
+    with open(file, "rb") as handle:
+        magic = handle.read(len(ZIP_MAGIC))
+    if magic != ZIP_MAGIC:
+        raise _corrupt(file, "empty file" if not magic else "not an .npz (zip) archive")
+    try:
+        with np.load(file, allow_pickle=False) as archive:
+            arrays = {name: archive[name] for name in archive.files}
+    except Exception as err:  # zip, zlib, npy header, pickle refusal...: all mean a bad file
+        raise _corrupt(file, f"{type(err).__name__}: {err}") from err
+
+    raw = arrays.pop(DESCRIPTION_ENTRY, None)
+    if raw is None:
+        raise _corrupt(file, f"no {DESCRIPTION_ENTRY!r} entry; files of the old two-file layout "
+                             "(.npz + .json) are not read any more")
+    if raw.dtype != np.uint8 or raw.ndim != 1:
+        raise _corrupt(file, f"{DESCRIPTION_ENTRY!r} is {raw.dtype}{list(raw.shape)}, expected 1-D uint8")
+    try:
+        document = json.loads(raw.tobytes().decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise _corrupt(file, f"bad JSON description: {err}") from err
+    if not isinstance(document, dict):
+        raise _corrupt(file, f"JSON description is a {type(document).__name__}, expected an object")
+    missing = {"format_version", "structure", "config"} - set(document)
+    if missing:
+        raise _corrupt(file, f"JSON description lacks {sorted(missing)}")
+    if document["format_version"] != FORMAT_VERSION:
+        raise _corrupt(file, f"format_version {document['format_version']!r}, this reader reads {FORMAT_VERSION}")
+    if not isinstance(document["config"], dict):
+        raise _corrupt(file, f"config is a {type(document['config']).__name__}, expected an object")
+
+    used: set[str] = set()
+    tree = _rebuild(file, document["structure"], arrays, used)
+    unlisted = sorted(set(arrays) - used)
+    if unlisted:
+        raise _corrupt(file, f"entries {unlisted[:5]} not listed in the structure")
+    for name in sorted(used):
+        if not np.issubdtype(arrays[name].dtype, np.floating):
+            raise _corrupt(file, f"entry {name!r} has dtype {arrays[name].dtype}, expected floating")
+    return jax.tree.map(jax.numpy.asarray, tree), document["config"]

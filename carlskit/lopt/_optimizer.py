@@ -19,7 +19,7 @@ import optax
 
 from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
-from carlskit.lopt._io import load_meta_params, save_meta_params
+from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
 from carlskit.lopt._tasks import Task, TaskFamily
 
@@ -122,15 +122,34 @@ class LearnedOptimizer:
         return {"rule": rule_to_config(self.rule), "train_horizon": self.train_horizon, "info": self.info}
 
     def save(self, meta_params: PyTree | None, path: str | os.PathLike) -> pathlib.Path:
-        """Write ``<path>.npz`` + ``<path>.json`` atomically (no pickle); ``None`` saves the held ones."""
+        """Write one ``.npz`` (arrays + JSON config, no pickle) atomically; returns the file written.
+
+        The file is ``path`` if it ends in ``.npz``, else ``path + ".npz"``. ``None`` saves the held
+        meta-parameters. Everything is checked before writing: on error the old file is untouched.
+        """
         return save_meta_params(path, self._resolve(meta_params), self.config())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "LearnedOptimizer":
-        """A ``LearnedOptimizer`` with the rule, meta-parameters and horizon stored at ``path``."""
-        meta_params, config = load_meta_params(path)
-        return LearnedOptimizer(rule_from_config(config["rule"]), meta_params, config.get("train_horizon"),
-                                config.get("info"))
+        """A ``LearnedOptimizer`` with the rule, meta-parameters and horizon stored at ``path`` (``.npz`` optional).
+
+        Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the file for a corrupt one.
+        """
+        file = meta_params_file(path)
+        meta_params, config = load_meta_params(file)
+        unknown = sorted(set(config) - {"rule", "train_horizon", "info"})
+        if "rule" not in config or unknown:
+            raise ValueError(f"{file}: config must hold 'rule', 'train_horizon', 'info'; "
+                             f"got keys {sorted(config)}")
+        train_horizon, info = config.get("train_horizon"), config.get("info", {})
+        if train_horizon is not None and (type(train_horizon) is not int or train_horizon < 1):
+            raise ValueError(f"{file}: train_horizon must be a positive int or null, got {train_horizon!r}")
+        if not isinstance(info, dict) or not isinstance(config["rule"], dict):
+            raise ValueError(f"{file}: 'rule' and 'info' must be JSON objects")
+        try:
+            return LearnedOptimizer(rule_from_config(config["rule"]), meta_params, train_horizon, info)
+        except (TypeError, ValueError, ArithmeticError) as err:  # unknown rule field, leaves not fitting the rule
+            raise ValueError(f"{file}: stored rule and meta-parameters do not fit ({err})") from err
 
     @classmethod
     def pretrained(cls) -> "LearnedOptimizer":
@@ -138,9 +157,9 @@ class LearnedOptimizer:
 
         Reproduce with ``python -m carlskit.lopt.train_pretrained`` (see that module).
         """
-        resource = importlib.resources.files("carlskit.lopt") / f"{PRETRAINED_NAME}.json"
-        with importlib.resources.as_file(resource) as json_path:
-            return cls.load(json_path)
+        resource = importlib.resources.files("carlskit.lopt") / f"{PRETRAINED_NAME}.npz"
+        with importlib.resources.as_file(resource) as file:
+            return cls.load(file)
 
     # ------------------------------------------------------------------ evaluation
     def train_curves(self, task: Task, num_steps: int = 200, num_tasks: int = 8, seed: int = 0,

@@ -2,13 +2,13 @@
 
 Reproduce the committed file (about 10 minutes on a 2-core CPU)::
 
-    python -m carlskit.lopt.train_pretrained --out carlskit/lopt/pretrained_mlp_lopt
+    python -m carlskit.lopt.train_pretrained --out carlskit/lopt/pretrained_mlp_lopt.npz
 
 PES (truncation 50, horizon 200, 8 antithetic pairs per outer step, vmapped) on the four width-32
 structures of ``DigitsMLPFamily`` (depth 1-2, relu/tanh; few structures keep compile time low),
 starting from ``MLPUpdateRule``'s momentum prior, Adam on the meta-parameters. The loop stops at
 ``--outer-steps`` or ``--time-budget-s``, whichever comes first, so the step count is recorded in
-the JSON next to the arrays.
+the JSON description stored inside the ``.npz`` (one file, written atomically).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from carlskit.lopt._tasks import DigitsMLPFamily
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="base path; writes <out>.npz and <out>.json")
+    parser.add_argument("--out", required=True, help="file to write (.npz appended unless given)")
     parser.add_argument("--outer-steps", type=int, default=2000)
     parser.add_argument("--time-budget-s", type=float, default=540.0)
     parser.add_argument("--num-tasks", type=int, default=8)
@@ -54,17 +54,21 @@ def main(argv: list[str] | None = None) -> int:
                                      for task in family.tasks()[::3]]))
     print(f"held-out final loss: momentum prior {final['prior']:.4f}, meta-trained {final['trained']:.4f}")
     losses = trained.history["outer_loss"]
+
+    def number(value: float) -> float | None:  # JSON has no NaN: a diverged figure is stored as null
+        return float(value) if np.isfinite(value) else None
+
     trained.info = {
         "command": "python -m carlskit.lopt.train_pretrained " + " ".join(sys.argv[1:] if argv is None else argv),
         "family": repr(family), "estimator": "pes", "horizon": horizon, "truncation_length": truncation,
         "num_tasks": args.num_tasks, "std": args.std, "meta_learning_rate": args.meta_learning_rate,
         "seed": args.seed, "outer_steps": steps_done, "seconds": round(seconds, 1),
-        "outer_loss_first_50": float(np.mean(losses[:50])), "outer_loss_last_50": float(np.mean(losses[-50:])),
-        "heldout_final_loss_prior": final["prior"], "heldout_final_loss_trained": final["trained"],
+        "outer_loss_first_50": number(np.mean(losses[:50])), "outer_loss_last_50": number(np.mean(losses[-50:])),
+        "heldout_final_loss_prior": number(final["prior"]), "heldout_final_loss_trained": number(final["trained"]),
         "jax_version": jax.__version__,
     }
     path = trained.save(None, args.out)
-    print(f"wrote {path}.npz/.json after {steps_done} outer steps in {seconds:.0f} s")
+    print(f"wrote {path} after {steps_done} outer steps in {seconds:.0f} s")
     return 0
 
 

@@ -1,3 +1,4 @@
+import io
 import json
 import os
 
@@ -11,28 +12,166 @@ import optax
 from carlskit.lopt import LearnableAdam, LearnedOptimizer, MLPUpdateRule
 
 
-def test_save_load_roundtrip_without_pickle(tmp_path):
+def _small_optimizer(train_horizon=50, seed=3):
     rule = MLPUpdateRule(hidden_sizes=(8, 4), decays=(0.5, 0.9))
-    optimizer = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(3)), train_horizon=50)
-    base = optimizer.save(None, tmp_path / "opt")
-    assert sorted(os.listdir(tmp_path)) == ["opt.json", "opt.npz"]  # no temp files left behind
-    with np.load(tmp_path / "opt.npz", allow_pickle=False) as data:
-        assert len(data.files) == len(jax.tree.leaves(optimizer.meta_params))
-    assert json.loads((tmp_path / "opt.json").read_text())["config"]["rule"]["kind"] == "mlp"
-    loaded = LearnedOptimizer.load(base)
-    assert loaded.rule == rule and loaded.train_horizon == 50
-    assert jax.tree.structure(loaded.meta_params) == jax.tree.structure(optimizer.meta_params)
-    for a, b in zip(jax.tree.leaves(loaded.meta_params), jax.tree.leaves(optimizer.meta_params)):
-        np.testing.assert_array_equal(a, b)
-    # Same file extension given explicitly also works; the adam baseline round-trips too.
+    return LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(seed)), train_horizon=train_horizon)
+
+
+def _entries(file):
+    with np.load(file, allow_pickle=False) as data:
+        return {name: data[name] for name in data.files}
+
+
+def test_save_load_roundtrip_one_file_without_pickle(tmp_path):
+    optimizer = _small_optimizer()
+    written = optimizer.save(None, tmp_path / "opt")
+    assert written == tmp_path / "opt.npz"
+    assert sorted(os.listdir(tmp_path)) == ["opt.npz"]  # one file, no temp files left behind
+    entries = _entries(written)
+    description = json.loads(entries.pop("__carlskit__").tobytes())
+    assert len(entries) == len(jax.tree.leaves(optimizer.meta_params))
+    assert description["config"]["rule"]["kind"] == "mlp" and description["format_version"] == 2
+    for spelling in (tmp_path / "opt", tmp_path / "opt.npz", str(written)):
+        loaded = LearnedOptimizer.load(spelling)
+        assert loaded.rule == optimizer.rule and loaded.train_horizon == 50
+        assert jax.tree.structure(loaded.meta_params) == jax.tree.structure(optimizer.meta_params)
+        for a, b in zip(jax.tree.leaves(loaded.meta_params), jax.tree.leaves(optimizer.meta_params)):
+            np.testing.assert_array_equal(a, b)
     adam = LearnableAdam(initial_learning_rate=3e-3)
-    adam.save(None, tmp_path / "adam.json")
-    assert LearnedOptimizer.load(tmp_path / "adam.npz").rule == adam.rule
+    assert adam.save(None, tmp_path / "adam.npz") == tmp_path / "adam.npz"
+    assert LearnedOptimizer.load(tmp_path / "adam").rule == adam.rule
 
 
-def test_load_missing_file_names_path(tmp_path):
-    with pytest.raises(FileNotFoundError, match="path"):
-        LearnedOptimizer.load(tmp_path / "nothing")
+def test_dotted_names_are_different_files(tmp_path):
+    first = _small_optimizer(train_horizon=10).save(None, tmp_path / "lopt.v1")
+    second = _small_optimizer(train_horizon=20, seed=4).save(None, str(tmp_path / "lopt.v2"))
+    assert (first, second) == (tmp_path / "lopt.v1.npz", tmp_path / "lopt.v2.npz")
+    assert sorted(os.listdir(tmp_path)) == ["lopt.v1.npz", "lopt.v2.npz"]
+    assert LearnedOptimizer.load(tmp_path / "lopt.v1").train_horizon == 10
+    assert LearnedOptimizer.load(tmp_path / "lopt.v2.npz").train_horizon == 20
+
+
+def _times(factor):
+    return lambda meta_params: jax.tree.map(lambda x: factor * x, meta_params)
+
+
+BAD_SAVES = {
+    # case: (rule, meta-params from the good ones, train_horizon, info, error, message)
+    "numpy scalar in info": (MLPUpdateRule(hidden_sizes=(8, 4), decays=(0.5, 0.9), step_mult=1e-2), _times(3), 999,
+                             {"t": np.float32(1)}, TypeError, r"config\['info'\]\['t'\]: float32"),
+    "NaN in info": (None, _times(3), 50, {"loss": float("nan")}, ValueError, r"config\['info'\]\['loss'\]: nan"),
+    "numpy train_horizon": (None, _times(3), np.int64(5), {}, TypeError, r"config\['train_horizon'\]: int64"),
+    "object in info": (None, _times(3), 50, {"rule": MLPUpdateRule()}, TypeError, r"config\['info'\]\['rule'\]"),
+    "non-str key in info": (None, _times(3), 50, {1: 2.0}, TypeError, r"config\['info'\]: key 1"),
+    "int meta-params": (None, lambda p: jax.tree.map(lambda x: np.asarray(x).astype(np.int32), p), 50, {}, TypeError,
+                        r"meta_params\['layers'\]\[0\]\['b'\]: dtype int32"),
+    "object meta-params": (None, lambda p: jax.tree.map(lambda x: np.asarray(x).astype(object), p), 50, {},
+                           TypeError, "dtype object"),
+    "NaN meta-params": (None, lambda p: {**p, "skip": p["skip"] * np.nan}, 50, {}, ValueError,
+                        r"meta_params\['skip'\]: holds NaN"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_SAVES))
+def test_failing_save_leaves_previous_file_untouched(tmp_path, case):
+    good = _small_optimizer()
+    path = good.save(None, tmp_path / "p")
+    before = path.read_bytes()
+    rule, transform, train_horizon, info, error, message = BAD_SAVES[case]
+    bad = LearnedOptimizer(rule or good.rule, None, train_horizon, info)
+    bad.meta_params = transform(good.meta_params)  # as a caller may set it; save must still refuse
+    with pytest.raises(error, match=message):
+        bad.save(None, tmp_path / "p")
+    assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["p.npz"]
+    loaded = LearnedOptimizer.load(tmp_path / "p")
+    assert loaded.rule == good.rule and loaded.train_horizon == 50 and loaded.info == {}
+
+
+def test_failing_write_leaves_no_temporary_file(tmp_path):
+    (tmp_path / "taken.npz").mkdir()  # the rename onto a directory fails after the temp file is written
+    with pytest.raises(OSError):
+        _small_optimizer().save(None, tmp_path / "taken")
+    assert sorted(os.listdir(tmp_path)) == ["taken.npz"] and not os.listdir(tmp_path / "taken.npz")
+
+
+def _rewrite(file, edit_entries=None, edit_description=None, raw_description=None):
+    """Rewrite ``file`` with its entries and JSON description changed by the given functions."""
+    entries = _entries(file)
+    description = json.loads(entries.pop("__carlskit__").tobytes())
+    if edit_description is not None:
+        description = edit_description(description)
+    text = raw_description if raw_description is not None else json.dumps(description).encode()
+    if edit_entries is not None:
+        entries = edit_entries(entries)
+    if text is not False:
+        entries["__carlskit__"] = np.frombuffer(text, np.uint8)
+    np.savez(file, allow_pickle=False, **entries)
+
+
+def _flip_a_weight_bit(file):
+    data = bytearray(file.read_bytes())
+    weights = _entries(file)["leaf_1"].tobytes()
+    at = data.find(weights) + len(weights) // 2
+    data[at] ^= 0x10
+    file.write_bytes(bytes(data))
+
+
+def _npy_bytes(array):
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    return buffer.getvalue()
+
+
+def _edit_config(change):
+    def edit(description):
+        change(description["config"])
+        return description
+    return edit
+
+
+CORRUPTIONS = {
+    "truncated": (lambda f: f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2]), "BadZipFile"),
+    "empty": (lambda f: f.write_bytes(b""), "empty file"),
+    "garbage": (lambda f: f.write_bytes(b"not an npz at all" * 10), "not an .npz (zip) archive"),
+    "bit flip": (_flip_a_weight_bit, "CRC"),
+    "plain npy": (lambda f: f.write_bytes(_npy_bytes(np.zeros(3))), "not an .npz (zip) archive"),
+    "truncated header": (lambda f: f.write_bytes(f.read_bytes()[:40]), "BadZipFile"),
+    "no description": (lambda f: _rewrite(f, raw_description=False), "no '__carlskit__' entry"),
+    "truncated JSON": (lambda f: _rewrite(f, raw_description=b'{"format_version": 2, "struct'), "bad JSON"),
+    "NaN in JSON": (lambda f: _rewrite(f, raw_description=b'{"format_version": NaN}'), "NaN"),
+    "JSON list": (lambda f: _rewrite(f, raw_description=b"[1, 2]"), "is a list"),
+    "missing structure": (lambda f: _rewrite(f, edit_description=lambda d: {k: v for k, v in d.items()
+                                                                           if k != "structure"}), "structure"),
+    "old format_version": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "format_version": 1}),
+                           "format_version 1"),
+    "bad structure node": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"dict": 5}}),
+                           "bad structure node"),
+    "leaf listed twice": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"list": [
+        "leaf:0", "leaf:0"]}}), "twice"),
+    "missing rule": (lambda f: _rewrite(f, edit_description=_edit_config(lambda c: c.pop("rule"))), "'rule'"),
+    "unknown rule field": (lambda f: _rewrite(f, edit_description=_edit_config(
+        lambda c: c["rule"].update(momentum=0.9))), "momentum"),
+    "bad train_horizon": (lambda f: _rewrite(f, edit_description=_edit_config(
+        lambda c: c.update(train_horizon="50"))), "train_horizon"),
+    "missing leaf": (lambda f: _rewrite(f, edit_entries=lambda e: {k: v for k, v in e.items() if k != "leaf_6"}),
+                     "leaf:6"),
+    "extra leaf": (lambda f: _rewrite(f, edit_entries=lambda e: {**e, "leaf_99": np.zeros(2, np.float32)}),
+                   "leaf_99"),
+    "int leaf": (lambda f: _rewrite(f, edit_entries=lambda e: {**e, "leaf_0": e["leaf_0"].astype(np.int32)}),
+                 "int32"),
+    "wrong leaf shape": (lambda f: _rewrite(f, edit_entries=lambda e: {**e, "leaf_0": e["leaf_0"][:-1]}),
+                         "do not fit"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPTIONS))
+def test_corrupt_file_raises_value_error_naming_it(tmp_path, case):
+    file = _small_optimizer().save(None, tmp_path / "opt")
+    corrupt, problem = CORRUPTIONS[case]
+    corrupt(file)
+    with pytest.raises(ValueError) as raised:
+        LearnedOptimizer.load(tmp_path / "opt")
+    assert str(raised.value).startswith(f"{file}: ") and problem in str(raised.value), str(raised.value)
 
 
 def test_pretrained_ships_and_works_with_no_meta_training():
@@ -52,3 +191,10 @@ def test_pretrained_ships_and_works_with_no_meta_training():
     for _ in range(20):
         params, state = step(params, state)
     assert float(loss(params)) < float(start)
+
+
+def test_pretrained_is_one_file():
+    import importlib.resources
+    package = importlib.resources.files("carlskit.lopt")
+    assert (package / "pretrained_mlp_lopt.npz").is_file()
+    assert not (package / "pretrained_mlp_lopt.json").is_file()
