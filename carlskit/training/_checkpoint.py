@@ -12,6 +12,7 @@ import json
 import os
 import re
 import time
+import zipfile
 from typing import Any
 
 import jax.numpy as jnp
@@ -102,7 +103,18 @@ class CheckpointStore:
         """The JSON manifest of ``version`` (default: latest)."""
         version = self._resolve(version)
         with self._fs.open(self._file(version, "json"), "rb") as handle:
-            return json.load(handle)
+            data = handle.read()
+        try:
+            manifest = json.loads(data)
+            if not isinstance(manifest, dict):
+                raise ValueError(f"a JSON {type(manifest).__name__}, not an object")
+        except ValueError as error:  # JSONDecodeError is a ValueError
+            raise self._corrupt(version, "json", error) from error
+        return manifest
+
+    def _corrupt(self, version: int, suffix: str, error: BaseException) -> ValueError:
+        return ValueError(f"checkpoint version {version} is corrupt: {self._file(version, suffix)} "
+                          f"({type(error).__name__}: {error})")
 
     def _resolve(self, version: int | None) -> int:
         if version is None:
@@ -123,13 +135,21 @@ class CheckpointStore:
         version = self._resolve(version)
         manifest = self.manifest(version)
         with self._fs.open(self._file(version, "npz"), "rb") as handle:
-            arrays = npz_bytes_to_arrays(handle.read())
-        for name, (dtype, _) in manifest["leaves"].items():
-            if arrays[name].dtype.kind == "V":  # bfloat16 & co. are written as raw bytes by np.savez
-                arrays[name] = arrays[name].view(jnp.dtype(dtype))
-        tree = arrays if target is None else unflatten_into(target, arrays, manifest["key_impls"])
-        return tree, {**manifest["metadata"], "version": version, "wall_time": manifest["wall_time"],
-                      "key_impls": manifest["key_impls"]}
+            data = handle.read()
+        try:
+            arrays = npz_bytes_to_arrays(data)
+            for name, (dtype, _) in manifest["leaves"].items():
+                if arrays[name].dtype.kind == "V":  # bfloat16 & co. are written as raw bytes by np.savez
+                    arrays[name] = arrays[name].view(jnp.dtype(dtype))
+            if set(arrays) != set(manifest["leaves"]):
+                raise ValueError(f"arrays {sorted(set(arrays) ^ set(manifest['leaves']))} are in only one "
+                                 f"of the .npz and the manifest")
+            key_impls, extra = manifest["key_impls"], {"version": version, "wall_time": manifest["wall_time"]}
+            metadata = manifest["metadata"]
+        except (ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as error:
+            raise self._corrupt(version, "npz", error) from error
+        tree = arrays if target is None else unflatten_into(target, arrays, key_impls)
+        return tree, {**metadata, **extra, "key_impls": key_impls}
 
 
 def restore_model(model, arrays: dict[str, np.ndarray], metadata: dict, prefix: str = "model") -> None:

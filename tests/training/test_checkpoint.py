@@ -81,3 +81,28 @@ def test_bfloat16_leaves_round_trip(tmp_path):
     np.testing.assert_array_equal(np.asarray(loaded["w"]), np.asarray(tree["w"]))
     flat, _ = store.load(1)
     assert flat["['w']"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("damage", ["truncated npz", "empty npz", "manifest not json", "manifest a list",
+                                    "manifest without leaves", "array missing"])
+def test_a_corrupt_checkpoint_is_an_error_naming_its_file(tmp_path, damage):
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"w": np.arange(6.0), "b": np.ones(2)}, version=1)
+    npz, manifest = tmp_path / "ckpt" / "v000000000001.npz", tmp_path / "ckpt" / "v000000000001.json"
+    assert npz.exists() and manifest.exists()
+    if damage == "truncated npz":
+        npz.write_bytes(npz.read_bytes()[:100])
+    elif damage == "empty npz":
+        npz.write_bytes(b"")
+    elif damage == "manifest not json":
+        manifest.write_text("{not json")
+    elif damage == "manifest a list":
+        manifest.write_text("[1, 2]")
+    elif damage == "manifest without leaves":
+        manifest.write_text('{"metadata": {}}')
+    else:
+        with np.load(npz) as content:
+            kept = {name: content[name] for name in content.files[:1]}
+        np.savez(npz, **kept)  # one array is gone, the manifest still lists it
+    with pytest.raises(ValueError, match=r"checkpoint version 1 is corrupt: .*v000000000001\.(npz|json)"):
+        store.load(1)
