@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import socket
+import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -114,6 +117,7 @@ def connect(
             raise ValueError(
                 f"address {address!r} uses TLS: pass security=distributed.Security(...) credentials"
             )
+        _check_speaks_dask(address, timeout_seconds)
         client = _connect_remote(dict(address=address), security, timeout_seconds, where=address)
     else:
         client = _start_local_cluster(
@@ -134,6 +138,53 @@ def connect(
         client.close()
         raise
     return client
+
+
+# A Dask server's first frame (its handshake) is a few dozen bytes; a length past this is not Dask.
+_HANDSHAKE_LIMIT = 64 << 20
+
+
+def _check_speaks_dask(address: str, timeout_seconds: float) -> None:
+    """Raise ``ConnectionError`` unless the ``tcp://`` server at ``address`` greets like Dask.
+
+    A Dask server writes its handshake as soon as it accepts a connection: an 8-byte frame length
+    (``struct`` format ``"Q"``, Dask's TCP framing) and a small message. ``distributed.Client``
+    would wait forever on a server that sends nothing (the dashboard's HTTP port, say) and read
+    any other bytes as a huge frame length. Other schemes (``tls://``, ``inproc://``) are left to Dask.
+    """
+    scheme, location = distributed.comm.parse_address(address)
+    if scheme != "tcp":
+        return
+    host, port = distributed.comm.parse_host_port(location)
+    deadline = time.monotonic() + timeout_seconds
+    header = b""
+    try:
+        probe = socket.create_connection((host, port), timeout=timeout_seconds)
+    except OSError as error:  # refused, unreachable, timed out
+        raise ConnectionError(f"could not connect to the Dask scheduler at {address!r} within "
+                              f"{timeout_seconds:g} s: {error}") from error
+    with probe:
+        try:
+            while len(header) < 8:
+                probe.settimeout(max(deadline - time.monotonic(), 1e-3))
+                chunk = probe.recv(8 - len(header))
+                if not chunk:
+                    break
+                header += chunk
+        except TimeoutError as error:
+            raise ConnectionError(
+                f"the server at {address!r} accepted a connection but sent no Dask handshake within "
+                f"{timeout_seconds:g} s: not a Dask scheduler (a dashboard or other HTTP port?)") from error
+        except OSError as error:
+            raise ConnectionError(f"the connection to {address!r} failed before a Dask handshake: "
+                                  f"{error}") from error
+    if len(header) < 8:
+        raise ConnectionError(f"the server at {address!r} closed the connection without a Dask "
+                              f"handshake: not a Dask scheduler")
+    (length,) = struct.unpack("Q", header)
+    if not 0 < length <= _HANDSHAKE_LIMIT:
+        raise ConnectionError(f"the server at {address!r} does not speak Dask's protocol (its first "
+                              f"frame would be {length} bytes): not a Dask scheduler")
 
 
 def _connect_remote(

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -164,6 +166,29 @@ def test_tls_cluster_refuses_a_client_without_credentials():
 def test_unreachable_address_is_a_clear_error_not_a_hang():
     with pytest.raises(ConnectionError, match="tcp://127.0.0.1:9.*within 2 s"):
         carlskit.connect("tcp://127.0.0.1:9", timeout=2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("greeting", [None, b"HTTP/1.1 400 Bad Request\r\n\r\n"])
+def test_a_server_that_is_not_dask_is_a_clear_error_not_a_hang(greeting):
+    """The dashboard's HTTP port (sends nothing until asked) or any server that greets in another
+    protocol: plain distributed.Client waits forever or reads a frame of exabytes."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+
+        def answer():
+            connection, _ = server.accept()
+            if greeting is not None:
+                connection.sendall(greeting)
+            time.sleep(5)
+            connection.close()
+
+        threading.Thread(target=answer, daemon=True).start()
+        expected = "sent no Dask handshake within 2 s" if greeting is None else "does not speak Dask"
+        with pytest.raises(ConnectionError, match=expected):
+            carlskit.connect(f"tcp://127.0.0.1:{port}", timeout=2)
 
 
 def test_bad_arguments_are_named():
