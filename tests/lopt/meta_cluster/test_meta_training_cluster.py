@@ -39,7 +39,7 @@ def test_embedded_meta_training_learns_checkpoints_evaluates_and_resumes(tmp_pat
         call(training.gradient_store, "put_many", bad_records(training))
         wait_until(lambda: sum(training.learner_status()["rejected"].values()) == 2, seconds=30)
         status = training.status()
-        assert status["rejected"] == {"shape": 1, "non_finite": 1, "future_step": 0}
+        assert {k: v for k, v in status["rejected"].items() if v} == {"shape": 1, "non_finite": 1}
         assert status["received"] >= 5 and status["worker_errors"] == 0 and status["es_workers_running"] == 2
         assert status["families"][0]["task_family"] == repr(family.tasks()[0])
     finally:
@@ -80,7 +80,8 @@ def test_cluster_survives_killing_an_es_worker_and_the_learner(tmp_path, no_left
         wait_until(lambda: outer_step(training) >= 3, seconds=120)
 
         call(training.gradient_store, "put_many", bad_records(training))  # a faulty worker's gradients
-        wait_until(lambda: training.learner_status()["rejected"] == {"shape": 1, "non_finite": 1, "future_step": 0})
+        wait_until(lambda: {k: v for k, v in training.learner_status()["rejected"].items() if v}
+                   == {"shape": 1, "non_finite": 1})
 
         es_worker = processing_worker(client, "es-worker")
         assert es_worker != training._service_worker, "ES workers avoid the learner's worker"
