@@ -1,5 +1,6 @@
 """MetaTraining end to end: embedded (threads) and on a Dask cluster whose processes we kill."""
 
+import dataclasses
 import os
 import signal
 
@@ -7,7 +8,7 @@ import numpy as np
 import pytest
 
 import carlskit
-from carlskit.lopt import EvalTaskSet, LearnableAdam, MetaTraining, QuadraticFamily, QuadraticTask
+from carlskit.lopt import EvalTaskSet, LearnableAdam, MetaTraining, QuadraticFamily, QuadraticTask, Task
 from carlskit.lopt._gradient_store import call
 from process_helpers import wait_until
 
@@ -61,6 +62,24 @@ def test_embedded_meta_training_learns_checkpoints_evaluates_and_resumes(tmp_pat
     done = again.chief.evaluated
     assert set(evaluated) <= set(done) and len(done) == len(set(done)) and stopped_at in evaluated
     assert again.chief.jobs_run == len(set(done) - set(evaluated)), "one job per new checkpoint, none repeated"
+
+
+@dataclasses.dataclass(frozen=True)
+class UnfinishedTask(Task):
+    """A user task without ``init``: its evaluation jobs always raise."""
+
+
+def test_stop_closes_the_chief_even_when_the_final_evaluation_fails(tmp_path):
+    options = {**OPTIONS, "eval_task_sets": [EvalTaskSet("broken", (UnfinishedTask(),), num_instances=1, num_steps=5)]}
+    training = MetaTraining(LearnableAdam(), TASK, None, directory=tmp_path, num_workers=1, **options).start()
+    chief = training.chief
+    training.stop(timeout=30)  # the final checkpoint's evaluation fails: stop() still finishes
+    assert training._driver is None and training._actor_futures == []
+    assert 0 in chief.failed and "NotImplementedError" in chief.failed[0]
+    with pytest.raises(RuntimeError, match="shutdown"):
+        chief._pool.submit(print)  # closed: its thread pool takes no more jobs
+    with pytest.raises(ValueError, match="max_staleness"):
+        MetaTraining(LearnableAdam(), TASK, None, directory=tmp_path, max_staleness=-1)
 
 
 def processing_worker(client, prefix):
