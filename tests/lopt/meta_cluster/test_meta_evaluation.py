@@ -120,3 +120,12 @@ def test_chief_and_task_sets_validate_numbers_and_names(tmp_path):
     with pytest.raises(TypeError, match="tasks"):
         EvalTaskSet("heldout", TASK)
     assert EvalTaskSet("heldout", [TASK], num_steps=np.int64(3)).num_steps == 3
+
+
+def test_corrupt_chief_state_is_a_value_error_naming_the_file(tmp_path):
+    (tmp_path / "eval").mkdir()
+    state = tmp_path / "eval" / "chief_state.json"
+    for text in ('{"evaluated": [1, 2', "[1, 2]", '{"evaluated": ["x"]}', '{"failed": {"a": "b"}}'):
+        state.write_text(text)
+        with pytest.raises(ValueError, match="chief_state.json: corrupt"):
+            EvaluationChief(RULE, str(tmp_path / "ckpt"), tmp_path / "eval", TASK_SETS)
