@@ -4,7 +4,7 @@ Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-pro
 One update (``update()``):
 
     records  = store.take_many(max_gradients_per_update)
-    valid    = records whose grad has the meta-parameters' leaf shapes and only finite values
+    valid    = well-formed records whose grad has the meta-parameters' leaf shapes and finite values
     fresh    = valid records with  0 <= outer_step_learner - record.outer_step <= max_staleness
     g        = mean over fresh of record.grad
     theta, s = optax outer optimizer (Adam by default) applied to g;  outer_step += 1
@@ -12,8 +12,8 @@ One update (``update()``):
 Rejected records (malformed, grad of the wrong shape or a non-numeric dtype, non-finite grad,
 ``outer_step`` not an int >= 0 or one the learner has not reached, ``outer_loss`` not a finite
 number, ``task_family`` not a str) and stale gradients are counted per reason, never applied; the
-good records of the same batch are applied. Meta-parameters and the outer optimizer's state are checkpointed through
-:class:`carlskit.training.CheckpointStore` (version = outer step) every
+good records of the same batch are applied. Meta-parameters and the outer optimizer's state are
+checkpointed through :class:`carlskit.training.CheckpointStore` (version = outer step) every
 ``checkpoint_every_seconds``; a new learner over the same directory resumes from the latest one.
 """
 
