@@ -5,7 +5,8 @@ ES workers): each piece of work is a function that loops until a stop flag is se
 secedes from its worker's thread pool (so it never blocks other tasks or actors); without one, in a
 daemon thread of this process. A supervisor thread polls them: a piece that raised, or whose
 worker died, is relaunched with *fresh* arguments (``make_args()`` is called again, so it picks up,
-e.g., actors rebuilt after a lost worker); its error is kept in ``errors`` and logged.
+e.g., actors rebuilt after a lost worker); its error is kept in ``errors`` (the last
+``MAX_KEPT_ERRORS``; ``error_count`` counts them all) and logged.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("carlskit.cluster")
+MAX_KEPT_ERRORS = 100
 
 
 def secede_if_on_worker() -> None:
@@ -68,15 +70,19 @@ class LongRunningTasks:
       poll_seconds: how often the supervisor checks the running pieces.
       max_restarts: restarts in total after which failing pieces are given up (logged).
       on_poll: called by the supervisor thread once per poll (e.g. to check the health of actors
-        before the pieces are relaunched); its exceptions are logged and kept like a piece's.
+        before the pieces are relaunched); its exceptions are logged and kept like a piece's, and
+        never keep the pieces from being relaunched.
     """
 
     def __init__(self, client: Any, name: str, *, piece: str = "piece", poll_seconds: float = 0.2,
                  max_restarts: int = 100, on_poll: Callable[[], None] | None = None) -> None:
         self.client, self.name, self.piece = client, name, piece
         self.poll_seconds, self.max_restarts, self.on_poll = poll_seconds, max_restarts, on_poll
+        #: ``(where, message with traceback)`` of the last ``MAX_KEPT_ERRORS`` errors, oldest first.
         self.errors: list[tuple[str, str]] = []
+        self.error_count = 0  # every error recorded, including those no longer kept
         self.restarts = 0
+        self._last_message: dict[str, str] = {}
         self._specs: dict[str, tuple[Callable, Callable[[], tuple], dict]] = {}
         self._running: dict[str, Any] = {}
         self._stopping = False
@@ -133,9 +139,18 @@ class LongRunningTasks:
         return True, None, ""
 
     def record_error(self, where: str, error: BaseException, trace: str = "") -> None:
-        """Keep, log and print an error (of a piece, or of the supervision step): never swallowed."""
+        """Keep, log and print an error (of a piece, or of the supervision step): never swallowed.
+
+        Only the last ``MAX_KEPT_ERRORS`` are kept (``error_count`` counts all); an error repeating
+        the previous one of the same ``where`` (e.g. every poll) is kept and counted, printed once."""
         message = f"{self.name} {where} raised {type(error).__name__}: {error}"
         self.errors.append((where, f"{message}\n{trace}"))
+        del self.errors[:-MAX_KEPT_ERRORS]
+        self.error_count += 1
+        if self._last_message.get(where) == message:
+            logger.debug("%s (again)", message)
+            return
+        self._last_message[where] = message
         logger.error(message)
         print(message, file=sys.stderr, flush=True)
 
@@ -159,15 +174,17 @@ class LongRunningTasks:
         return relaunched
 
     def _supervise(self) -> None:
+        # on_poll and poll_once each in their own try: a failing on_poll never stops relaunches.
+        steps = [("on_poll", self.on_poll)] if self.on_poll is not None else []
+        steps.append(("supervisor", self.poll_once))
         while not self._stopping:
-            try:
-                if self.on_poll is not None:
-                    self.on_poll()
-                self.poll_once()
-            except Exception as error:  # e.g. the client closed under us: say why, keep going until stop
-                if self._stopping or (self.client is not None and self.client.status != "running"):
-                    return
-                self.record_error("supervisor", error, traceback.format_exc())
+            for where, step in steps:
+                try:
+                    step()
+                except Exception as error:  # e.g. the client closed under us: say why, keep going until stop
+                    if self._stopping or (self.client is not None and self.client.status != "running"):
+                        return
+                    self.record_error(where, error, traceback.format_exc())
             time.sleep(self.poll_seconds)
 
     def running(self) -> list[str]:

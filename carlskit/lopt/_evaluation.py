@@ -10,6 +10,8 @@
   aggregates the curves per checkpoint (mean over instances and structures), writes them to
   ``<eval_dir>/v<version>.json`` and to summaries, and records the version in
   ``<eval_dir>/chief_state.json``, all atomically, so a restarted chief neither repeats nor skips.
+  A checkpoint that cannot be loaded, or whose jobs fail ``MAX_ATTEMPTS`` times, is recorded as
+  failed (with the reason) and skipped; the others go on.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from carlskit._serialization import atomic_write, dumps_json, filesystem, unflatten_into
+from carlskit.lopt._gradient_store import check_integer, check_positive_real
 from carlskit.lopt._inner import init_inner_state
 from carlskit.lopt._learner import meta_params_structure
 from carlskit.lopt._tasks import Task, TaskFamily
@@ -40,6 +43,7 @@ logger = logging.getLogger("carlskit.lopt.evaluation")
 PyTree = Any
 SPLITS = ("train", "valid", "test")
 STATE_FILE = "chief_state.json"
+MAX_ATTEMPTS = 3  # evaluations of one checkpoint (its jobs all run again after a failure) before it is failed
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "task", "num_steps"))
@@ -84,11 +88,15 @@ class EvalTaskSet:
     num_steps: int = 50
 
     def __post_init__(self) -> None:
-        if not self.tasks or not all(isinstance(task, Task) for task in self.tasks):
-            raise TypeError(f"tasks of {self.name!r} must be a non-empty tuple of Task")
-        if self.num_instances < 1 or self.num_steps < 1:
-            raise ValueError("num_instances and num_steps must be >= 1")
+        if not isinstance(self.name, str) or not self.name:
+            raise TypeError(f"name must be a non-empty str, got {self.name!r}")
+        if not isinstance(self.tasks, (list, tuple)) or not self.tasks \
+                or not all(isinstance(task, Task) for task in self.tasks):
+            raise TypeError(f"tasks of {self.name!r} must be a non-empty tuple of Task, got {self.tasks!r}")
         object.__setattr__(self, "tasks", tuple(self.tasks))
+        object.__setattr__(self, "num_instances", check_integer("num_instances", self.num_instances))
+        object.__setattr__(self, "num_steps", check_integer("num_steps", self.num_steps))
+        object.__setattr__(self, "seed", check_integer("seed", self.seed, minimum=0))
 
 
 def default_eval_task_sets(family: TaskFamily, *, ood_tasks: tuple[Task, ...] = (), num_steps: int = 50,
@@ -135,7 +143,7 @@ class EvaluationChief:
       client: Dask client (jobs are Dask tasks on the workers) or ``None`` (a thread pool here).
       eval_workers: jobs in flight at most.
       time_scale: the learned optimizer's time-feature scale for these runs (training horizon /
-        evaluation length).
+        evaluation length), a finite number > 0.
       logdir: summaries directory (``None``: none).
       on_result: called with ``(version, {task_set: {split: curve}})`` when a checkpoint is done.
     """
@@ -147,8 +155,8 @@ class EvaluationChief:
             raise TypeError("task_sets must be a non-empty list of EvalTaskSet")
         if len({s.name for s in task_sets}) != len(task_sets):
             raise ValueError("task_sets must have distinct names")
-        if not isinstance(eval_workers, int) or eval_workers < 1:
-            raise ValueError(f"eval_workers must be a positive int, got {eval_workers!r}")
+        eval_workers = check_integer("eval_workers", eval_workers)
+        time_scale = check_positive_real("time_scale", time_scale)
         self.rule, self.task_sets, self.client = rule, list(task_sets), client
         self.eval_workers, self.time_scale, self.on_result, self.workers = eval_workers, time_scale, on_result, workers
         self.checkpoints = CheckpointStore(checkpoint_path, keep=None)
@@ -158,7 +166,10 @@ class EvaluationChief:
         state = self._read_state()
         self.evaluated: list[int] = state.get("evaluated", [])
         self.missing: list[int] = state.get("missing", [])
+        #: ``{version: reason}`` of checkpoints given up on (unloadable, or jobs failed MAX_ATTEMPTS times).
+        self.failed: dict[int, str] = {int(version): reason for version, reason in state.get("failed", {}).items()}
         self.jobs_run = 0
+        self._attempts: dict[int, int] = {}
         self._in_flight: dict[int, dict[tuple[str, int], Any]] = {}
         self._queue: list[tuple[int, str, int]] = []
         self._meta_leaves: dict[int, list[np.ndarray]] = {}
@@ -173,11 +184,24 @@ class EvaluationChief:
     # ------------------------------------------------------------------ durable state
     def _read_state(self) -> dict:
         path = self.eval_dir / STATE_FILE
-        return json.loads(path.read_text()) if path.exists() else {}
+        if not path.exists():
+            return {}
+        try:
+            state = json.loads(path.read_text())
+            if not isinstance(state, dict):
+                raise ValueError(f"expected a JSON object, got {type(state).__name__}")
+            evaluated, missing = list(state.get("evaluated", [])), list(state.get("missing", []))
+            failed = {int(version): str(reason) for version, reason in dict(state.get("failed", {})).items()}
+            if not all(isinstance(v, int) for v in evaluated + missing):
+                raise ValueError("'evaluated' and 'missing' must be lists of int")
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"{path}: corrupt or not a carlskit evaluation state ({error})") from None
+        return {"evaluated": evaluated, "missing": missing, "failed": failed}
 
     def _write_state(self) -> None:
         atomic_write(self._fs, str(self.eval_dir / STATE_FILE),
-                     dumps_json({"evaluated": sorted(self.evaluated), "missing": sorted(self.missing)}))
+                     dumps_json({"evaluated": sorted(self.evaluated), "missing": sorted(self.missing),
+                                 "failed": {str(v): reason for v, reason in sorted(self.failed.items())}}))
 
     def result_path(self, version: int) -> pathlib.Path:
         return self.eval_dir / f"v{version:012d}.json"
@@ -191,12 +215,20 @@ class EvaluationChief:
     def poll(self) -> list[int]:
         """Enqueue jobs for new checkpoints, collect finished jobs; returns versions completed now."""
         with self._lock:
-            known = set(self.evaluated) | set(self.missing) | set(self._in_flight)
+            known = set(self.evaluated) | set(self.missing) | set(self.failed) | set(self._in_flight)
             for version in self.checkpoints.versions():
                 if version not in known:
                     self._enqueue(version)
             self._submit_queued()
             return self._collect()
+
+    def _fail(self, version: int, reason: str) -> None:
+        """Give up on ``version`` for good (recorded durably with ``reason``); the others go on."""
+        self.failed[version] = reason
+        self._attempts.pop(version, None)
+        self._meta_leaves.pop(version, None)
+        self._write_state()
+        logger.error("checkpoint %d not evaluated: %s", version, reason)
 
     def _enqueue(self, version: int) -> None:
         try:
@@ -206,6 +238,10 @@ class EvaluationChief:
             self._write_state()
             logger.warning("checkpoint %d disappeared before evaluation", version)
             return
+        except Exception as error:  # corrupt, or written for another rule: never blocks the others
+            self._fail(version, f"cannot load checkpoint: {type(error).__name__}: {error}")
+            return
+        self._attempts[version] = self._attempts.get(version, 0) + 1
         self._meta_leaves[version] = [np.asarray(leaf) for leaf in jax.tree.leaves(meta_params)]
         self._in_flight[version] = {}
         # Newest checkpoint first: the live view shows the latest curves soon; older ones follow.
@@ -236,10 +272,14 @@ class EvaluationChief:
                 continue
             try:
                 outcomes = {name: job.result() for name, job in jobs.items()}
-            except Exception as error:  # a job failed: run this checkpoint's jobs again
-                logger.error("evaluation of checkpoint %d failed (%r); retrying", version, error)
+            except Exception as error:  # a job failed: run this checkpoint's jobs again, MAX_ATTEMPTS in all
                 del self._in_flight[version]
-                self._enqueue(version)
+                attempts = self._attempts.get(version, 0)
+                if attempts >= MAX_ATTEMPTS:
+                    self._fail(version, f"evaluation failed {attempts} times, last: {type(error).__name__}: {error}")
+                else:
+                    logger.error("evaluation of checkpoint %d failed (%r); retrying", version, error)
+                    self._enqueue(version)
                 continue
             self.jobs_run += len(jobs)
             curves = {s.name: {split: np.mean([outcomes[(s.name, i)][split] for i in range(len(s.tasks))],
@@ -250,6 +290,7 @@ class EvaluationChief:
             self._write_state()  # after the results: a crash in between re-evaluates, never skips
             del self._in_flight[version]
             self._meta_leaves.pop(version, None)
+            self._attempts.pop(version, None)
             self._summarize(version, curves)
             completed.append(version)
             if self.on_result is not None:
@@ -267,9 +308,12 @@ class EvaluationChief:
                 self._writer.scalar(f"eval/{set_name}/{split}_mean", float(np.mean(curve)), version)
 
     def wait(self, version: int, timeout: float = 120.0, poll_seconds: float = 0.05) -> None:
-        """Poll until ``version`` is evaluated (for scripts and tests); ``TimeoutError`` otherwise."""
+        """Poll until ``version`` is evaluated (for scripts and tests); ``TimeoutError`` otherwise, and
+        ``RuntimeError`` (with the reason) if the chief gave up on it."""
         deadline = time.monotonic() + timeout
         while version not in self.evaluated:
+            if version in self.failed:
+                raise RuntimeError(f"checkpoint {version} failed evaluation: {self.failed[version]}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"checkpoint {version} not evaluated within {timeout:g} s")
             self.poll()
@@ -287,7 +331,7 @@ class EvaluationChief:
         with self._lock:
             return {"evaluated": len(self.evaluated), "latest_evaluated": max(self.evaluated, default=None),
                     "in_flight": sorted(self._in_flight), "queued_jobs": len(self._queue),
-                    "missing": list(self.missing), "jobs_run": self.jobs_run}
+                    "missing": list(self.missing), "failed": dict(self.failed), "jobs_run": self.jobs_run}
 
     def close(self) -> None:
         """Drop queued and in-flight work (a new chief redoes it) and flush summaries."""

@@ -9,6 +9,8 @@ at), ``task_family`` (str), ``losses`` (the ``[N, 2]`` antithetic pair losses), 
 
 from __future__ import annotations
 
+import math
+import numbers
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -24,6 +26,26 @@ def call(target: Any, method: str, *args: Any, timeout: float | None = None, **k
     return result.result(timeout) if isinstance(result, BaseActorFuture) else result
 
 
+def check_integer(argument: str, value: Any, minimum: int = 1) -> int:
+    """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else ``TypeError`` /
+    ``ValueError`` naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{argument} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{argument} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
+def check_positive_real(argument: str, value: Any) -> float:
+    """``value`` as a ``float`` if it is a finite real number (not a bool) ``> 0``; else ``TypeError`` /
+    ``ValueError`` naming ``argument``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{argument} must be a positive number, got {value!r} ({type(value).__name__})")
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{argument} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 class GradientStore:
     """Batched puts and takes of gradient records, keyed by their unique ``id``, oldest first.
 
@@ -33,22 +55,24 @@ class GradientStore:
     """
 
     def __init__(self, max_records: int = 10_000) -> None:
-        if not isinstance(max_records, int) or max_records < 1:
-            raise ValueError(f"max_records must be a positive int, got {max_records!r}")
-        self.max_records = max_records
+        self.max_records = check_integer("max_records", max_records)
         self._records: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
         self.puts = self.takes = self.overflowed = self.duplicates = 0
 
     def put_many(self, records: list[dict]) -> int:
-        """Store ``records`` (each with an ``id``); returns how many were new."""
+        """Store ``records`` (each a dict with a str ``id``); returns how many were new.
+
+        The whole list is checked first: one malformed record raises ``TypeError`` and stores none."""
         if not isinstance(records, (list, tuple)):
             raise TypeError(f"records must be a list of dicts, got {type(records).__name__}")
+        for index, record in enumerate(records):
+            if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+                shown = type(record).__name__ if not isinstance(record, dict) else f"id {record.get('id')!r}"
+                raise TypeError(f"records[{index}]: each record must be a dict with a str 'id', got {shown}")
         added = 0
         with self._lock:
             for record in records:
-                if not isinstance(record, dict) or "id" not in record:
-                    raise TypeError("records: each record must be a dict with an 'id'")
                 if record["id"] in self._records:
                     self.duplicates += 1
                     continue
@@ -62,8 +86,7 @@ class GradientStore:
 
     def take_many(self, max_records: int) -> list[dict]:
         """Remove and return up to ``max_records`` records, oldest first."""
-        if not isinstance(max_records, int) or max_records < 1:
-            raise ValueError(f"max_records must be a positive int, got {max_records!r}")
+        max_records = check_integer("max_records", max_records)
         with self._lock:
             count = min(max_records, len(self._records))
             taken = [self._records.popitem(last=False)[1] for _ in range(count)]

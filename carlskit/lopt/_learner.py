@@ -4,14 +4,16 @@ Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-pro
 One update (``update()``):
 
     records  = store.take_many(max_gradients_per_update)
-    valid    = records whose grad has the meta-parameters' leaf shapes and only finite values
+    valid    = well-formed records whose grad has the meta-parameters' leaf shapes and finite values
     fresh    = valid records with  0 <= outer_step_learner - record.outer_step <= max_staleness
     g        = mean over fresh of record.grad
     theta, s = optax outer optimizer (Adam by default) applied to g;  outer_step += 1
 
-Rejected (bad shape, non-finite, from a step the learner has not reached) and stale gradients are
-counted, never applied. Meta-parameters and the outer optimizer's state are checkpointed through
-:class:`carlskit.training.CheckpointStore` (version = outer step) every
+Rejected records (malformed, grad of the wrong shape or a non-numeric dtype, non-finite grad,
+``outer_step`` not an int >= 0 or one the learner has not reached, ``outer_loss`` not a finite
+number, ``task_family`` not a str) and stale gradients are counted per reason, never applied; the
+good records of the same batch are applied. Meta-parameters and the outer optimizer's state are
+checkpointed through :class:`carlskit.training.CheckpointStore` (version = outer step) every
 ``checkpoint_every_seconds``; a new learner over the same directory resumes from the latest one.
 """
 
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from carlskit.lopt._gradient_store import call
+from carlskit.lopt._gradient_store import call, check_integer, check_positive_real
 from carlskit.lopt._rules import rule_to_config
 from carlskit.training import CheckpointStore
 
@@ -37,6 +39,8 @@ logger = logging.getLogger("carlskit.lopt.learner")
 PyTree = Any
 STALENESS_BINS = 16  # staleness 0..14, and 15+ in the last bin
 FAMILY_LOSS_DECAY = 0.9
+REJECTION_REASONS = ("malformed", "shape", "dtype", "non_finite", "outer_step", "future_step", "outer_loss",
+                     "task_family")
 
 
 def meta_params_structure(rule: Any) -> tuple[Any, list[tuple[int, ...]]]:
@@ -66,27 +70,25 @@ class Learner:
                  outer_optimizer: optax.GradientTransformation | None = None, max_staleness: int = 5,
                  max_gradients_per_update: int = 64, checkpoint_every_seconds: float = 600.0,
                  logdir: str | None = None, seed: int = 0, keep_checkpoints: int | None = None) -> None:
-        if not isinstance(max_staleness, int) or max_staleness < 0:
-            raise ValueError(f"max_staleness must be a non-negative int, got {max_staleness!r}")
-        if not isinstance(max_gradients_per_update, int) or max_gradients_per_update < 1:
-            raise ValueError(f"max_gradients_per_update must be a positive int, got {max_gradients_per_update!r}")
-        if not checkpoint_every_seconds > 0:
-            raise ValueError(f"checkpoint_every_seconds must be > 0, got {checkpoint_every_seconds!r}")
+        self.max_staleness = check_integer("max_staleness", max_staleness, minimum=0)
+        self.max_gradients_per_update = check_integer("max_gradients_per_update", max_gradients_per_update)
+        self.checkpoint_every_seconds = check_positive_real("checkpoint_every_seconds", checkpoint_every_seconds)
+        seed = check_integer("seed", seed, minimum=0)
         self.rule, self.store = rule, store
-        self.max_staleness = max_staleness
-        self.max_gradients_per_update = max_gradients_per_update
-        self.checkpoint_every_seconds = float(checkpoint_every_seconds)
         self.outer_optimizer = optax.adam(3e-3) if outer_optimizer is None else outer_optimizer
-        self.checkpoints = CheckpointStore(checkpoint_path, keep=keep_checkpoints)
         self._treedef, self._shapes = meta_params_structure(rule)
         self._lock = threading.Lock()
         self._apply = jax.jit(self._apply_updates)
 
-        template = rule.init_meta_params(jax.random.PRNGKey(seed)) if initial_meta_params is None \
-            else jax.tree.map(jnp.asarray, initial_meta_params)
-        self._check_leaves(jax.tree.leaves(template), "initial_meta_params")
+        if initial_meta_params is None:
+            template = rule.init_meta_params(jax.random.PRNGKey(seed))
+        else:
+            self._check_initial_meta_params(initial_meta_params)
+            template = jax.tree.map(jnp.asarray, initial_meta_params)
+        # Only now, with every argument checked, touch the checkpoint directory (creating it).
+        self.checkpoints = CheckpointStore(checkpoint_path, keep=keep_checkpoints)
         self.stats: dict[str, Any] = {"received": 0, "applied": 0, "dropped_stale": 0, "updates": 0,
-                                      "rejected": {"shape": 0, "non_finite": 0, "future_step": 0},
+                                      "rejected": dict.fromkeys(REJECTION_REASONS, 0),
                                       "staleness_counts": [0] * STALENESS_BINS, "family_losses": {}}
         self.last_outer_loss = float("nan")
         self._last_checkpoint_time = time.time()
@@ -102,7 +104,9 @@ class Learner:
             self.outer_step, self.resumed_from = int(latest), int(latest)
             for name in self.stats:
                 if name in metadata.get("learner", {}):
-                    self.stats[name] = metadata["learner"][name]
+                    saved = metadata["learner"][name]
+                    # Reasons added since that checkpoint was written start at 0.
+                    self.stats[name] = {**self.stats[name], **saved} if name == "rejected" else saved
         self.last_update_seconds = self._update_seconds_total = 0.0
         self._timed_updates = 0
         self._accepted_times: collections.deque = collections.deque(maxlen=256)
@@ -124,19 +128,48 @@ class Learner:
             return jax.tree.map(np.asarray, self.meta_params)
 
     # ------------------------------------------------------------------ one update
-    def _check_leaves(self, leaves: list, argument: str) -> None:
+    def _check_initial_meta_params(self, meta_params: PyTree) -> None:
+        """Same tree structure and leaf shapes as the rule's, floating dtypes, finite values."""
+        leaves, treedef = jax.tree.flatten(meta_params)
         shapes = [tuple(np.shape(leaf)) for leaf in leaves]
-        if shapes != self._shapes:
-            raise ValueError(f"{argument}: expected leaves of shapes {self._shapes}, got {shapes}")
+        if treedef != self._treedef or shapes != self._shapes:
+            raise ValueError(f"initial_meta_params: expected the rule's tree {self._treedef} with leaves of "
+                             f"shapes {self._shapes}, got {treedef} with shapes {shapes}")
+        for path, leaf in jax.tree_util.tree_flatten_with_path(meta_params)[0]:
+            where = f"initial_meta_params{jax.tree_util.keystr(path)}"
+            dtype = np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"{where}: meta-parameters must have a real floating dtype, got {dtype}")
+            if not np.all(np.isfinite(np.asarray(leaf))):
+                raise ValueError(f"{where}: meta-parameters must be finite, got NaN or inf")
 
-    def _rejection(self, record: dict) -> str | None:
-        grad = record.get("grad")
-        if not isinstance(grad, (list, tuple)) or [tuple(np.shape(g)) for g in grad] != self._shapes:
-            return "shape"
-        if not all(np.all(np.isfinite(g)) for g in grad):
-            return "non_finite"
-        if int(record.get("outer_step", -1)) > self.outer_step:
-            return "future_step"  # computed at a step this (restarted) learner has not reached
+    def _rejection(self, record: Any) -> str | None:
+        """Why ``record`` cannot be applied (one of ``REJECTION_REASONS``), or ``None``. Never raises."""
+        try:
+            if not isinstance(record, dict):
+                return "malformed"
+            grad = record.get("grad")
+            if not isinstance(grad, (list, tuple)) or len(grad) != len(self._shapes):
+                return "shape"
+            arrays = [np.asarray(g) for g in grad]
+            if [array.shape for array in arrays] != self._shapes:
+                return "shape"
+            if not all(array.dtype.kind in "fiu" for array in arrays):
+                return "dtype"  # str, object, complex, bool: not a gradient
+            if not all(np.all(np.isfinite(array)) for array in arrays):
+                return "non_finite"
+            step = np.asarray(record.get("outer_step"))  # an int, numpy or 0-d array integer
+            if step.ndim != 0 or step.dtype.kind not in "iu" or step < 0:
+                return "outer_step"  # missing, None, str, bool, float (1.7 is no step), negative
+            if step > self.outer_step:
+                return "future_step"  # computed at a step this (restarted) learner has not reached
+            loss = np.asarray(record.get("outer_loss"))
+            if loss.ndim != 0 or loss.dtype.kind not in "fiu" or not np.isfinite(loss):
+                return "outer_loss"  # missing, not a number, or NaN/inf (every pair of the estimate diverged)
+            if not isinstance(record.get("task_family"), str):
+                return "task_family"
+        except Exception:  # e.g. a ragged nested list as a gradient leaf
+            return "malformed"
         return None
 
     def _apply_updates(self, meta_params, outer_state, grad):
@@ -152,42 +185,50 @@ class Learner:
         records = call(self.store, "take_many", self.max_gradients_per_update)
         with self._lock:
             started = time.perf_counter()
-            fresh, rejected, stale, staleness = [], 0, 0, []
+            # Judge every record first and build the new state aside; commit it only at the end, so a
+            # failure part way leaves the learner as it was (and a bad record never costs good ones).
+            fresh, reasons, stale, staleness = [], [], 0, []
             for record in records:
                 reason = self._rejection(record)
                 if reason is not None:
-                    rejected += 1
-                    self.stats["rejected"][reason] += 1
-                    logger.warning("learner rejected gradient %s from worker %s: %s", record.get("id"),
-                                   record.get("worker"), reason)
+                    reasons.append(reason)
+                    where = record if isinstance(record, dict) else {}
+                    logger.warning("learner rejected gradient %r from worker %r: %s", where.get("id"),
+                                   where.get("worker"), reason)
                     continue
                 age = self.outer_step - int(record["outer_step"])
                 staleness.append(age)
-                self.stats["received"] += 1
-                self.stats["staleness_counts"][min(age, STALENESS_BINS - 1)] += 1
                 if age > self.max_staleness:
                     stale += 1
                     continue
                 fresh.append(record)
-            self.stats["dropped_stale"] += stale
             if fresh:
                 leaves = [np.mean([np.asarray(r["grad"][i], np.float32) for r in fresh], axis=0)
                           for i in range(len(self._shapes))]
                 grad = jax.tree.unflatten(self._treedef, leaves)
-                self.meta_params, self.outer_state = self._apply(self.meta_params, self.outer_state, grad)
-                jax.block_until_ready(self.meta_params)
-                self.outer_step += 1
-                self.stats["applied"] += len(fresh)
-                self.stats["updates"] += 1
-                self.last_outer_loss = float(np.mean([r["outer_loss"] for r in fresh]))
-                for record in fresh:
-                    family = self.stats["family_losses"].setdefault(record["task_family"], {"loss": None, "count": 0})
-                    loss = float(record["outer_loss"])
+                meta_params, outer_state = self._apply(self.meta_params, self.outer_state, grad)
+                jax.block_until_ready(meta_params)
+                losses = [float(r["outer_loss"]) for r in fresh]
+                family_losses = {name: dict(values) for name, values in self.stats["family_losses"].items()}
+                for record, loss in zip(fresh, losses):
+                    family = family_losses.setdefault(record["task_family"], {"loss": None, "count": 0})
                     family["loss"] = loss if family["loss"] is None else (
                         FAMILY_LOSS_DECAY * family["loss"] + (1 - FAMILY_LOSS_DECAY) * loss)
                     family["count"] += 1
-                now = time.time()
-                self._accepted_times.extend([now] * len(fresh))
+                # commit
+                self.meta_params, self.outer_state = meta_params, outer_state
+                self.outer_step += 1
+                self.stats["applied"] += len(fresh)
+                self.stats["updates"] += 1
+                self.stats["family_losses"] = family_losses
+                self.last_outer_loss = float(np.mean(losses))
+                self._accepted_times.extend([time.time()] * len(fresh))
+            for reason in reasons:
+                self.stats["rejected"][reason] += 1
+            self.stats["received"] += len(staleness)
+            for age in staleness:
+                self.stats["staleness_counts"][min(age, STALENESS_BINS - 1)] += 1
+            self.stats["dropped_stale"] += stale
             if self._due_for_checkpoint():
                 self._save_checkpoint()
             seconds = time.perf_counter() - started
@@ -195,7 +236,7 @@ class Learner:
                 self.last_update_seconds = seconds
                 self._update_seconds_total += seconds
                 self._timed_updates += 1
-            result = {"taken": len(records), "applied": len(fresh), "dropped_stale": stale, "rejected": rejected,
+            result = {"taken": len(records), "applied": len(fresh), "dropped_stale": stale, "rejected": len(reasons),
                       "outer_step": self.outer_step, "seconds": seconds}
         if fresh:
             self._log_summaries(staleness)

@@ -14,6 +14,7 @@ worker dies, it rebuilds store and learner, and the new learner resumes from its
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import html
 import logging
@@ -28,10 +29,10 @@ from typing import Any
 import numpy as np
 import optax
 
-from carlskit.cluster._supervised import LongRunningTasks, stop_flag
+from carlskit.cluster._supervised import MAX_KEPT_ERRORS, LongRunningTasks, stop_flag
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
-from carlskit.lopt._gradient_store import GradientStore, call
+from carlskit.lopt._gradient_store import GradientStore, call, check_integer, check_positive_real
 from carlskit.lopt._learner import Learner
 from carlskit.lopt._optimizer import LearnedOptimizer
 from carlskit.lopt._tasks import Task, TaskFamily
@@ -78,9 +79,10 @@ class MetaTraining:
         if not isinstance(family, TaskFamily):
             raise TypeError(f"task_family must be a TaskFamily or Task, got {type(task_family).__name__}")
         for name, value in (("num_workers", num_workers), ("eval_workers", eval_workers), ("num_tasks", num_tasks),
-                            ("num_steps", num_steps)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+                            ("num_steps", num_steps), ("max_gradients_per_update", max_gradients_per_update)):
+            check_integer(name, value)
+        check_integer("max_staleness", max_staleness, minimum=0)  # here, not only when start() builds the learner
+        check_positive_real("checkpoint_every_seconds", checkpoint_every_seconds)
         self.lopt, self.family, self.client = lopt, family, client
         self.directory = pathlib.Path(directory)
         self.checkpoint_path = str(self.directory / "checkpoints")
@@ -100,7 +102,8 @@ class MetaTraining:
         self.gradient_store: Any = None
         self.chief: EvaluationChief | None = None
         self.learner_restarts = 0
-        self.learner_errors: list[str] = []
+        self.learner_errors: collections.deque[str] = collections.deque(maxlen=MAX_KEPT_ERRORS)  # the last ones
+        self.learner_error_count = 0
         self.eval_results: dict[int, dict] = {}
         self._actor_futures: list = []
         self._service_worker: str | None = None
@@ -195,7 +198,7 @@ class MetaTraining:
             except Exception as error:
                 if not self._driving.is_set():
                     return
-                self.learner_errors.append(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
+                self._record_learner_error(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
                 logger.error("learner update failed: %r", error)
                 if self.client is not None and self.client.status != "running":
                     return
@@ -205,6 +208,10 @@ class MetaTraining:
                 if not self._learner_alive() or isinstance(error, OSError) or "lost" in str(error):
                     self._restart_services()
 
+    def _record_learner_error(self, message: str) -> None:
+        self.learner_errors.append(message)
+        self.learner_error_count += 1
+
     def _restart_services(self) -> None:
         """The learner's worker is gone: rebuild store and learner; workers pick them up when relaunched."""
         try:
@@ -212,7 +219,7 @@ class MetaTraining:
             self.learner_restarts += 1
             logger.warning("learner restarted from checkpoint %s", call(self.learner, "status")["resumed_from"])
         except Exception as error:
-            self.learner_errors.append(f"restart failed: {error!r}")
+            self._record_learner_error(f"restart failed: {error!r}")
             time.sleep(0.5)
 
     def stop(self, timeout: float = 60.0, *, evaluate_final: bool = True) -> None:
@@ -221,32 +228,43 @@ class MetaTraining:
         Checkpoints not evaluated yet are left for the next chief over the same directory."""
         if self._driver is None:
             return
-        if self._tasks is not None:
-            self._tasks.stop(self._stop, timeout)
-        self._driving.clear()
-        self._driver.join(timeout)
-        self._driver = None
         try:
-            self._last_learner_status = call(self.learner, "status", timeout=timeout)
-            call(self.learner, "close", timeout=timeout)
-        except Exception as error:  # its worker may be gone; the checkpoints on disk remain
-            self.learner_errors.append(f"close failed: {error!r}")
-        if self.chief is not None:
-            final = self.chief.checkpoints.latest()
-            if evaluate_final and final is not None:
-                try:
-                    self.chief.wait(final, timeout)
-                except TimeoutError as error:
-                    logger.warning("%s", error)
-            self.chief.close()
-        for future in self._actor_futures:
-            future.release()
-        self._actor_futures = []
+            if self._tasks is not None:
+                self._tasks.stop(self._stop, timeout)
+        finally:
+            self._driving.clear()
+            self._driver.join(timeout)
+            self._driver = None
+            try:
+                self._stop_services(timeout, evaluate_final)
+            finally:
+                for future in self._actor_futures:
+                    future.release()
+                self._actor_futures = []
         for widget in self._widgets.values():  # a last refresh showing the final state, then stop
             for method in ("update", "refresh", "stop"):
                 if hasattr(widget, method):
                     with contextlib.suppress(Exception):
                         getattr(widget, method)()
+
+    def _stop_services(self, timeout: float, evaluate_final: bool) -> None:
+        """Close the learner (a last checkpoint), evaluate that checkpoint, close the chief: each step
+        whatever the previous one raised (errors are recorded and logged, never stop the shutdown)."""
+        try:
+            self._last_learner_status = call(self.learner, "status", timeout=timeout)
+            call(self.learner, "close", timeout=timeout)
+        except Exception as error:  # its worker may be gone; the checkpoints on disk remain
+            self._record_learner_error(f"close failed: {error!r}")
+        if self.chief is None:
+            return
+        try:
+            final = self.chief.checkpoints.latest()
+            if evaluate_final and final is not None:
+                self.chief.wait(final, timeout)
+        except Exception as error:  # timed out, checkpoint failed evaluation, chief broken: still close it
+            logger.warning("final evaluation not done: %r", error)
+        finally:
+            self.chief.close()
 
     # ------------------------------------------------------------------ results
     def learner_status(self) -> dict[str, Any]:
@@ -274,7 +292,7 @@ class MetaTraining:
         report["es_workers"] = self.num_workers
         report["es_workers_running"] = len(self._tasks.running()) if self._tasks is not None else 0
         report["worker_restarts"] = self._tasks.restarts if self._tasks is not None else 0
-        report["worker_errors"] = len(self._tasks.errors) if self._tasks is not None else 0
+        report["worker_errors"] = self._tasks.error_count if self._tasks is not None else 0
         report["learner_restarts"] = self.learner_restarts
         if self.chief is not None:
             report["evaluation"] = self.chief.status()

@@ -80,6 +80,14 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _step_of(kind: str, name: str, step: Any) -> int:
+    """``int(step)``, or ``TypeError`` naming the summary: called before anything is buffered."""
+    try:
+        return int(step)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"{kind} {name!r}: step must be an int, got {step!r} ({error})") from None
+
+
 class SummaryWriter:
     """Log scalars, arrays and text; batched in this process and written by a background thread.
 
@@ -278,6 +286,7 @@ class SummaryWriter:
         if self._thread is None:
             self._start_flush_thread()
         _check_name(name)
+        step = _step_of("array", name, step)
         flat = np.asarray(values, dtype=np.float64).reshape(-1)
         if mode == "histogram":
             if not isinstance(bins, int) or bins < 1:
@@ -302,7 +311,7 @@ class SummaryWriter:
                     entry = (flat.size, flat[chosen])
                 else:
                     entry = (flat.size, flat.copy())
-            self._others.setdefault((kind, name), []).append((int(step), wall_time, entry))
+            self._others.setdefault((kind, name), []).append((step, wall_time, entry))
             self._pending += 1
         return True
 
@@ -315,12 +324,13 @@ class SummaryWriter:
         _check_name(name)
         if not isinstance(text, str):
             raise TypeError(f"text must be a str, got {type(text).__name__}")
+        step = _step_of("text", name, step)
         wall_time = time.time()
         with self._lock:
             if not self._keep(sample_rate):
                 return False
             self._others.setdefault((_format.TEXTS, name), []).append(
-                (int(step), wall_time, text.encode("utf-8")))
+                (step, wall_time, text.encode("utf-8")))
             self._pending += 1
         return True
 
@@ -332,10 +342,14 @@ class SummaryWriter:
             self._pending = 0
         batches: list[Batch] = []
         for name, (steps, wall_times, values) in scalars.items():
+            if not steps:
+                continue
             batches.append((_format.SCALARS, name, len(steps), [
                 np.array(steps, dtype=np.int64), np.array(wall_times, dtype=np.float64),
                 np.array(values, dtype=np.float64)]))
         for (kind, name), entries in others.items():
+            if not entries:  # nothing was appended (never expected; one empty list must not cost the rest)
+                continue
             batches.append((kind, name, len(entries), _columns_of(kind, entries)))
         return batches
 

@@ -197,3 +197,21 @@ def test_shard_of_is_crc32_so_every_process_agrees():
     # zlib.crc32 is a fixed function of the bytes (unlike hash(), salted per process by PYTHONHASHSEED)
     assert [shard_of(name, 7) for name in names] == [zlib.crc32(name.encode()) % 7 for name in names]
     assert [shard_of(name, 7) for name in names] == [1, 6, 6]
+
+
+def test_a_bad_step_is_rejected_before_buffering_and_loses_no_other_summary(tmp_path):
+    with SummaryWriter(tmp_path, flush_every_seconds=100) as writer:
+        for step in range(5):
+            writer.scalar("loss", float(step), step)
+        writer.array("weights", np.ones(3), 0)
+        for call in (lambda: writer.array("weights", np.ones(3), step="x"),
+                     lambda: writer.array("other", np.ones(3), step=None, mode="samples"),
+                     lambda: writer.text("note", "hello", step="x")):
+            with pytest.raises(TypeError, match="step must be an int"):
+                call()
+        writer.text("note", "kept", 1)
+        writer.flush()  # must not fail on the rejected calls
+    reader = SummaryReader(tmp_path)
+    np.testing.assert_array_equal(reader.scalars("loss")["step"], np.arange(5))
+    assert list(reader.histograms("weights")["step"]) == [0]
+    assert list(reader.texts("note")["text"]) == ["kept"] and "other" not in reader.names()

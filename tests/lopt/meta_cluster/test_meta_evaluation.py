@@ -1,12 +1,14 @@
 """Evaluation curves and the evaluation chief (in-process)."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import optax
 import pytest
 
-from carlskit.lopt import (EvalTaskSet, EvaluationChief, LearnableAdamRule, QuadraticTask, evaluation_curves,
-                           train_tasks_vectorized)
+from carlskit.lopt import (EvalTaskSet, EvaluationChief, LearnableAdamRule, MLPUpdateRule, QuadraticTask, Task,
+                           evaluation_curves, train_tasks_vectorized)
 from carlskit.training import CheckpointStore
 
 RULE = LearnableAdamRule()
@@ -16,8 +18,8 @@ TASK_SETS = [EvalTaskSet("heldout", (TASK,), num_instances=2, seed=2, num_steps=
              EvalTaskSet("train_subset", (TASK,), num_instances=2, seed=1, num_steps=5)]
 
 
-def publish(store, version, scale):
-    meta_params = jax.tree.map(lambda x: x * scale, RULE.init_meta_params())
+def publish(store, version, scale, rule=RULE):
+    meta_params = jax.tree.map(lambda x: x * scale, rule.init_meta_params(jax.random.PRNGKey(0)))
     store.save({"meta_params": meta_params, "outer_state": optax.adam(1e-3).init(meta_params)}, version=version)
 
 
@@ -64,3 +66,66 @@ def test_chief_validates_task_sets(tmp_path):
         EvaluationChief(RULE, str(tmp_path), tmp_path / "eval", [])
     with pytest.raises(ValueError, match="distinct"):
         EvaluationChief(RULE, str(tmp_path), tmp_path / "eval", [TASK_SETS[0], TASK_SETS[0]])
+
+
+def test_chief_records_unloadable_checkpoints_as_failed_and_evaluates_the_others(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    publish(store, 0, 1.0)
+    publish(store, 1, 1.0)
+    npz = tmp_path / "ckpt" / f"v{1:012d}.npz"
+    npz.write_bytes(npz.read_bytes()[:100])  # truncated
+    publish(store, 2, 1.0, rule=MLPUpdateRule())  # written by a learner of another rule
+    chief = EvaluationChief(RULE, store.path, tmp_path / "eval", TASK_SETS[:1])
+    for _ in range(3):
+        chief.poll()  # never raises: each bad checkpoint is recorded once, the good one goes on
+    chief.wait(0, timeout=120)
+    assert sorted(chief.failed) == [1, 2] and "cannot load checkpoint" in chief.failed[1]
+    with pytest.raises(RuntimeError, match="checkpoint 2 failed"):
+        chief.wait(2, timeout=5)
+    assert chief.status()["failed"] == chief.failed and chief.evaluated == [0]
+    chief.close()
+    restarted = EvaluationChief(RULE, store.path, tmp_path / "eval", TASK_SETS[:1])
+    assert restarted.failed == chief.failed, "failures are durable: a restarted chief does not retry them"
+    assert restarted.poll() == [] and restarted.status()["in_flight"] == []
+    restarted.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class UnfinishedTask(Task):
+    """A user task without ``init``: every evaluation job raises NotImplementedError."""
+
+
+def test_chief_gives_up_a_checkpoint_whose_jobs_keep_failing(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    publish(store, 0, 1.0)
+    broken = [EvalTaskSet("broken", (UnfinishedTask(),), num_instances=1, num_steps=2)]
+    chief = EvaluationChief(RULE, store.path, tmp_path / "eval", broken)
+    with pytest.raises(RuntimeError, match="failed 3 times.*NotImplementedError"):
+        chief.wait(0, timeout=30, poll_seconds=0.01)
+    chief.poll()
+    assert chief.status()["queued_jobs"] == 0 and chief.status()["in_flight"] == [], "no retry after giving up"
+    chief.close()
+
+
+def test_chief_and_task_sets_validate_numbers_and_names(tmp_path):
+    for time_scale, error in (("x", TypeError), (0.0, ValueError), (float("nan"), ValueError), (True, TypeError)):
+        with pytest.raises(error, match="time_scale"):
+            EvaluationChief(RULE, str(tmp_path), tmp_path / "eval", TASK_SETS, time_scale=time_scale)
+    with pytest.raises(TypeError, match="num_steps"):
+        EvalTaskSet("heldout", (TASK,), num_steps=2.5)
+    with pytest.raises(ValueError, match="num_instances"):
+        EvalTaskSet("heldout", (TASK,), num_instances=0)
+    with pytest.raises(TypeError, match="name"):
+        EvalTaskSet(None, (TASK,))
+    with pytest.raises(TypeError, match="tasks"):
+        EvalTaskSet("heldout", TASK)
+    assert EvalTaskSet("heldout", [TASK], num_steps=np.int64(3)).num_steps == 3
+
+
+def test_corrupt_chief_state_is_a_value_error_naming_the_file(tmp_path):
+    (tmp_path / "eval").mkdir()
+    state = tmp_path / "eval" / "chief_state.json"
+    for text in ('{"evaluated": [1, 2', "[1, 2]", '{"evaluated": ["x"]}', '{"failed": {"a": "b"}}'):
+        state.write_text(text)
+        with pytest.raises(ValueError, match="chief_state.json: corrupt"):
+            EvaluationChief(RULE, str(tmp_path / "ckpt"), tmp_path / "eval", TASK_SETS)

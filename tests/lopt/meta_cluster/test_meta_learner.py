@@ -44,6 +44,72 @@ def test_store_puts_and_takes_batches_oldest_first_once_per_id():
         store.take_many(0)
 
 
+def test_store_put_many_checks_the_whole_batch_before_storing_any():
+    store = GradientStore()
+    with pytest.raises(TypeError, match=r"records\[1\]"):
+        store.put_many([{"id": "ok"}, "bad"])
+    with pytest.raises(TypeError, match=r"records\[1\].*\['x'\]"):
+        store.put_many([{"id": "ok"}, {"id": ["x"]}])  # unhashable id
+    assert store.status() == {"pending": 0, "puts": 0, "takes": 0, "overflowed": 0, "duplicates": 0}
+    assert store.put_many([{"id": "ok"}, {"id": "next"}]) == 2
+    assert [r["id"] for r in store.take_many(np.int64(1))] == ["ok"]  # numpy ints are ints
+    for bad, error in ((True, TypeError), (2.0, TypeError), (0, ValueError)):
+        with pytest.raises(error, match="max_records"):
+            GradientStore(bad)
+        with pytest.raises(error, match="max_records"):
+            store.take_many(bad)
+    assert store.size() == 1
+
+
+def test_learner_rejects_each_malformed_record_and_applies_the_good_ones_of_the_batch(tmp_path, caplog):
+    store = GradientStore()
+    learner = make_learner(tmp_path, store)
+    start = leaves(learner)
+    good = record(0, grad_like(learner, 2.0), loss=3.0)
+    bad = {"outer_loss": [], "outer_step": [], "task_family": [], "dtype": []}
+    for field in ("outer_loss", "task_family"):
+        missing = record(0, grad_like(learner, 1.0))
+        del missing[field]
+        bad[field].append(missing)
+    for loss in ("x", None, np.nan, np.inf, True, [1.0, 2.0]):
+        bad["outer_loss"].append(record(0, grad_like(learner, 1.0), loss=loss))
+    for step in ("abc", None, 1.7, -3, True):
+        bad["outer_step"].append(record(step, grad_like(learner, 1.0), id=f"step-{step!r}"))
+    bad["task_family"].append(record(0, grad_like(learner, 1.0), family=7))
+    for dtype in ("U3", complex, bool, object):
+        bad["dtype"].append({**record(0, grad_like(learner, 1.0)),
+                             "grad": [np.zeros(np.shape(x), dtype) for x in grad_like(learner, 1.0)]})
+    batch = [r for records in bad.values() for r in records]
+    batch.insert(len(batch) // 2, good)
+    store.put_many(batch)
+    with caplog.at_level(logging.WARNING, logger="carlskit.lopt.learner"):
+        result = learner.update()
+    assert (result["taken"], result["applied"], result["rejected"]) == (len(batch), 1, len(batch) - 1)
+    status = learner.status()
+    assert {k: v for k, v in status["rejected"].items() if v} == {k: len(v) for k, v in bad.items()}
+    assert "step-1.7" in caplog.text and "outer_step" in caplog.text
+    assert status["outer_step"] == 1 and status["applied"] == 1 and status["received"] == 1
+    assert status["outer_loss"] == 3.0 and status["family_losses"] == {"quad": {"loss": 3.0, "count": 1}}
+    for got, want in zip(leaves(learner), start):  # SGD(1) with the good gradient only
+        np.testing.assert_allclose(got, want - 2.0, rtol=1e-6)
+    # A batch of only bad records changes nothing but the counts.
+    store.put_many([record(1, grad_like(learner, 1.0), loss=np.nan)])
+    assert learner.update()["rejected"] == 1 and learner.current()[0] == 1
+    assert learner.status()["family_losses"]["quad"]["loss"] == 3.0, "a NaN loss never enters the family EMA"
+
+
+def test_learner_resumes_counts_from_a_checkpoint_written_with_fewer_rejection_reasons(tmp_path):
+    learner = make_learner(tmp_path)
+    old_counts = {"shape": 2, "non_finite": 1, "future_step": 0}
+    learner.checkpoints.save({"meta_params": learner.meta_params, "outer_state": learner.outer_state}, version=1,
+                             metadata={"learner": {"rejected": old_counts}})
+    store = GradientStore()
+    resumed = make_learner(tmp_path, store)
+    assert resumed.status()["rejected"]["shape"] == 2 and resumed.status()["rejected"]["outer_loss"] == 0
+    store.put_many([record(1, grad_like(resumed, 1.0), loss=np.nan)])
+    assert resumed.update()["rejected"] == 1 and resumed.status()["rejected"]["outer_loss"] == 1
+
+
 def test_learner_averages_fresh_gradients_and_drops_stale_ones(tmp_path):
     store = GradientStore()
     learner = make_learner(tmp_path, store, max_staleness=1)
@@ -82,7 +148,8 @@ def test_learner_rejects_nan_and_wrong_shape_gradients_counts_and_logs_them(tmp_
                         record(0, grad_like(learner, 1.0)[:-1], id="too-few"), record(7, grad_like(learner, 1.0))])
         result = learner.update()
     assert (result["applied"], result["rejected"]) == (0, 4)
-    assert learner.status()["rejected"] == {"shape": 2, "non_finite": 1, "future_step": 1}
+    assert {k: v for k, v in learner.status()["rejected"].items() if v} == {"shape": 2, "non_finite": 1,
+                                                                            "future_step": 1}
     assert "nan-one" in caplog.text and "bad-shape" in caplog.text
     assert learner.current()[0] == 0
     for got, want in zip(leaves(learner), start):
@@ -116,3 +183,17 @@ def test_learner_validates_arguments(tmp_path):
         make_learner(tmp_path, max_staleness=-1)
     with pytest.raises(ValueError, match="initial_meta_params"):
         make_learner(tmp_path, initial_meta_params={"wrong": np.zeros(3)})
+    with pytest.raises(TypeError, match="checkpoint_every_seconds"):
+        make_learner(tmp_path, checkpoint_every_seconds="x")
+    with pytest.raises(TypeError, match="max_staleness"):
+        make_learner(tmp_path, max_staleness=True)
+    theta = RULE.init_meta_params(jax.random.PRNGKey(0))
+    first = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(theta)[0][0][0])
+    nan_theta = jax.tree.map(lambda x: np.full(np.shape(x), np.nan, np.float32), theta)
+    for bad, error, match in ((jax.tree.map(lambda x: np.asarray(x).astype(np.int32), theta), TypeError, "floating"),
+                              (jax.tree.map(lambda x: np.full(np.shape(x), "a"), theta), TypeError, "floating"),
+                              (nan_theta, ValueError, "finite")):
+        with pytest.raises(error, match=match) as raised:
+            make_learner(tmp_path, initial_meta_params=bad)
+        assert f"initial_meta_params{first}" in str(raised.value)
+    assert not (tmp_path / "ckpt").exists(), "no checkpoint directory is created for rejected arguments"
