@@ -3,7 +3,9 @@
 Each round: fetch ``(outer_step, meta_params)`` from the learner, sample a task structure from the
 family, estimate the outer gradient by antithetic full-unroll ES over ``num_tasks`` vectorized task
 instances (:func:`carlskit.lopt.make_full_es_estimator`), and put the record into the gradient
-store under a unique id (batched: ``put_every`` records per call). An exception raised while
+store under a unique id (batched: ``put_every`` records per call). A round in which every pair
+diverged (``outer_loss`` NaN, zero gradient) is counted and logged, not put. Meta-parameters from
+the learner that do not fit ``rule`` end the loop with a ValueError naming the leaf. An exception raised while
 estimating is logged, counted and reported, and the loop continues; losing the learner or the
 store (their worker died) ends the loop with that error, so its supervisor relaunches it with the
 rebuilt actors.

@@ -108,6 +108,10 @@ class LearnedOptimizer:
         ``num_steps``: the length of the run it will be used for; the time features then see
         ``t * train_horizon / num_steps`` so a schedule learned for ``train_horizon`` stretches to
         the new length. Extra arguments such as ``loss=`` are accepted and ignored.
+
+        Params must have real floating dtypes (TypeError naming the leaf, e.g. ``params['b']``);
+        grads and state must match params leaf by leaf (ValueError naming the leaf and both shapes).
+        These checks are Python on static dtypes and shapes: under ``jit`` they run once, at trace time.
         """
         theta = self._resolve(meta_params)
         if num_steps is not None:
@@ -127,8 +131,6 @@ class LearnedOptimizer:
                                  "call tx.update(grads, state, params)")
             check_real_floating(params, "params")
             check_same_layout(params, "params", updates, "grads")
-            if not jax.tree.leaves(params):
-                return params, state
             return rule.update(theta, state, updates, params, time_scale)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
