@@ -103,6 +103,7 @@ def check_state_keys(state: Any, keys: tuple[str, ...], rule: Any) -> None:
 
 
 _META_TEMPLATES: dict[Any, PyTree] = {}
+_REAL_FLOATING = frozenset(np.dtype(t) for t in (np.float16, jax.numpy.bfloat16, np.float32, np.float64))
 
 
 def meta_params_template(rule: Any) -> PyTree:
@@ -119,10 +120,23 @@ def meta_params_template(rule: Any) -> PyTree:
     return template
 
 
+def _matches_template(template: PyTree, meta_params: PyTree) -> bool:
+    """Fast path (a few microseconds, called once per outer step): same structure, shapes, floating dtypes."""
+    leaves, treedef = jax.tree.flatten(meta_params)
+    want_leaves, want_def = jax.tree.flatten(template)
+    return treedef == want_def and all(
+        getattr(leaf, "shape", None) == want.shape and getattr(leaf, "dtype", None) in _REAL_FLOATING
+        for leaf, want in zip(leaves, want_leaves))
+
+
 def check_meta_params(rule: Any, meta_params: PyTree, name: str = "meta_params", *, finite: bool = False) -> None:
     """``meta_params`` must match ``rule.init_meta_params``: pytree structure, leaf shapes, real
     floating dtypes (and finite values if ``finite``; concrete arrays only)."""
     template = meta_params_template(rule)
+    if _matches_template(template, meta_params):
+        if finite:
+            check_finite(meta_params, name)
+        return
     want_def, got_def = jax.tree.structure(template), jax.tree.structure(meta_params)
     if want_def != got_def:
         raise TypeError(f"{name}: expected pytree {want_def} (from {type(rule).__name__}.init_meta_params), "
