@@ -197,7 +197,7 @@ def make_full_es_estimator(rule: Any, task: Any, *, num_tasks: int, num_steps: i
     num_tasks, num_steps = positive_int(num_tasks, "num_tasks"), positive_int(num_steps, "num_steps")
     std = positive_float(std, "std")
     check_aggregation(aggregation)
-    meta_params_template(rule)
+    meta_params_template(rule)  # the rule's meta-parameter shapes, traced once here
     gradient = functools.partial(full_es_gradient, rule=rule, task=task, num_steps=num_steps, std=std,
                                  aggregation=aggregation)
     mesh = task_mesh(num_tasks, devices)
@@ -272,7 +272,7 @@ def make_pes_estimator(rule: Any, task: Any, *, num_tasks: int, horizon: int, tr
         raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
     std = positive_float(std, "std")
     check_aggregation(aggregation)
-    meta_params_template(rule)
+    meta_params_template(rule)  # the rule's meta-parameter shapes, traced once here
     config = dict(rule=rule, task=task, num_tasks=num_tasks, horizon=horizon, truncation_length=truncation_length)
     unchecked_init = functools.partial(pes_init_state, **config)
     unchecked_gradient = functools.partial(pes_gradient, std=std, aggregation=aggregation, **config)
