@@ -186,6 +186,10 @@ class LearnedOptimizer:
         Starts from ``meta_params``, else the held ones, else ``init(PRNGKey(seed))``. Shows a
         tqdm bar and, in a notebook (``live_plot=None``), a live outer-loss curve. Returns a new
         ``LearnedOptimizer`` carrying the result and its ``history``.
+
+        An outer step in which every pair diverged records ``outer_loss`` NaN and leaves the
+        meta-parameters and Adam's state untouched; meta-parameters that become non-finite after
+        an update raise ``FloatingPointError``.
         """
         if estimator not in ("pes", "es"):
             raise ValueError(f"estimator must be 'pes' or 'es', got {estimator!r}")
