@@ -3,7 +3,9 @@
 Each round: fetch ``(outer_step, meta_params)`` from the learner, sample a task structure from the
 family, estimate the outer gradient by antithetic full-unroll ES over ``num_tasks`` vectorized task
 instances (:func:`carlskit.lopt.make_full_es_estimator`), and put the record into the gradient
-store under a unique id (batched: ``put_every`` records per call). An exception raised while
+store under a unique id (batched: ``put_every`` records per call). A round in which every pair
+diverged (``outer_loss`` NaN, zero gradient) is counted and logged, not put. Meta-parameters from
+the learner that do not fit ``rule`` end the loop with a ValueError naming the leaf. An exception raised while
 estimating is logged, counted and reported, and the loop continues; losing the learner or the
 store (their worker died) ends the loop with that error, so its supervisor relaunches it with the
 rebuilt actors.
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import numbers
 import time
 import traceback
 import uuid
@@ -22,7 +25,9 @@ import jax
 import numpy as np
 
 from carlskit.cluster._supervised import secede_if_on_worker
+from carlskit.lopt._checks import check_meta_params, positive_float, positive_int
 from carlskit.lopt._estimators import make_full_es_estimator
+from carlskit.lopt._inner import check_aggregation
 from carlskit.lopt._gradient_store import call
 from carlskit.lopt._learner import meta_params_structure
 
@@ -39,6 +44,15 @@ class ESWorkerConfig:
     aggregation: str = "mean"
     put_every: int = 1
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("num_tasks", "num_steps", "put_every"):
+            object.__setattr__(self, name, positive_int(getattr(self, name), name))
+        object.__setattr__(self, "std", positive_float(self.std, "std"))
+        check_aggregation(self.aggregation)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        object.__setattr__(self, "seed", int(self.seed))
 
 
 def report_event(topic: str, message: dict) -> None:
@@ -72,11 +86,15 @@ def run_es_worker(index: int, learner: Any, store: Any, family: Any, rule: Any, 
 
         writer = SummaryWriter(logdir, flush_every_seconds=1.0, seed=None)
     pending: list[dict] = []
-    put, rounds, errors = 0, 0, 0
+    put, rounds, errors, diverged = 0, 0, 0, 0
     try:
         while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
             rounds += 1
             outer_step, leaves = call(learner, "current")
+            # A learner whose meta-parameters do not fit ``rule`` is a configuration error, not a
+            # failed round: it ends the loop (ValueError naming the leaf) instead of being retried.
+            meta_params = jax.tree.unflatten(treedef, leaves)
+            check_meta_params(rule, meta_params, "learner meta_params")
             try:
                 started = time.perf_counter()
                 task = family.sample(rng)
@@ -85,7 +103,7 @@ def run_es_worker(index: int, learner: Any, store: Any, family: Any, rule: Any, 
                                                               num_steps=config.num_steps, std=config.std,
                                                               aggregation=config.aggregation)
                 key, step_key = jax.random.split(key)
-                grad, metrics = estimators[task](jax.tree.unflatten(treedef, leaves), step_key)
+                grad, metrics = estimators[task](meta_params, step_key)
                 record = {"id": f"{index}-{uuid.uuid4().hex}", "grad": [np.asarray(g) for g in jax.tree.leaves(grad)],
                           "outer_step": int(outer_step), "task_family": task_label(task),
                           "losses": np.asarray(metrics["pair_losses"]), "outer_loss": float(metrics["outer_loss"]),
@@ -96,6 +114,12 @@ def run_es_worker(index: int, learner: Any, store: Any, family: Any, rule: Any, 
                 report_event(topic, {"worker": index, "error": f"{type(error).__name__}: {error}"})
                 if writer is not None:
                     writer.scalar(f"worker{index}/errors", errors, rounds)
+                continue
+            if not np.isfinite(record["outer_loss"]):  # every pair diverged: the zero gradient says nothing
+                diverged += 1
+                logger.warning("ES worker %d: every pair diverged on %s; no record put", index, record["task_family"])
+                if writer is not None:
+                    writer.scalar(f"worker{index}/diverged_rounds", diverged, rounds)
                 continue
             pending.append(record)
             if len(pending) >= config.put_every:

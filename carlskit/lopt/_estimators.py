@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from carlskit.lopt._inner import InnerState, aggregate_losses, init_inner_state, unroll
+from carlskit.lopt._checks import check_meta_params, meta_params_template, positive_float, positive_int
+from carlskit.lopt._inner import InnerState, aggregate_losses, check_aggregation, init_inner_state, unroll
 
 PyTree = Any
 
@@ -61,7 +62,10 @@ def antithetic_combine(pair_losses: jax.Array, directions: PyTree, std: float) -
 
 
 def _metrics(pair_losses: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
+    """Mean loss over the valid pairs (NaN when no pair is valid: there is no loss to report) and
+    the fraction of dropped pairs."""
     mean_loss = jnp.sum(jnp.where(valid[:, None], pair_losses, 0.0)) / jnp.maximum(2 * jnp.sum(valid), 1)
+    mean_loss = jnp.where(jnp.any(valid), mean_loss, jnp.nan)
     return {"outer_loss": mean_loss, "nan_fraction": 1.0 - jnp.mean(valid.astype(jnp.float32))}
 
 
@@ -123,6 +127,8 @@ def pes_init_state(meta_params: PyTree, key: jax.Array, *, rule: Any, task: Any,
 
     Not jitted on purpose: it runs once per task structure, and compiling it would cost more.
     """
+    num_tasks, horizon = positive_int(num_tasks, "num_tasks"), positive_int(horizon, "horizon")
+    truncation_length = positive_int(truncation_length, "truncation_length")
     if horizon % truncation_length:
         raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
     fresh_key, stagger_key = jax.random.split(key)
@@ -185,8 +191,13 @@ def make_full_es_estimator(rule: Any, task: Any, *, num_tasks: int, num_steps: i
 
     The pairs are split over ``task_mesh(num_tasks, devices)`` as in :func:`make_pes_estimator`
     (the task keys split along ``("tasks",)``, everything else replicated); the result equals the
-    one-device estimator's up to float summation order.
+    one-device estimator's up to float summation order. ``meta_params`` must match
+    ``rule.init_meta_params`` (structure, shapes, floating dtypes; checked on every call, in Python).
     """
+    num_tasks, num_steps = positive_int(num_tasks, "num_tasks"), positive_int(num_steps, "num_steps")
+    std = positive_float(std, "std")
+    check_aggregation(aggregation)
+    meta_params_template(rule)  # the rule's meta-parameter shapes, traced once here
     gradient = functools.partial(full_es_gradient, rule=rule, task=task, num_steps=num_steps, std=std,
                                  aggregation=aggregation)
     mesh = task_mesh(num_tasks, devices)
@@ -196,6 +207,7 @@ def make_full_es_estimator(rule: Any, task: Any, *, num_tasks: int, num_steps: i
                           out_shardings=(replicated, replicated))
 
     def estimator(meta_params: PyTree, key: jax.Array) -> tuple[PyTree, dict]:
+        check_meta_params(rule, meta_params)
         task_key, eps_key = jax.random.split(key)
         task_keys = jax.random.split(task_key, num_tasks)
         if mesh is None:
@@ -217,8 +229,9 @@ def task_mesh(num_tasks: int, devices: Sequence[jax.Device] | None = None) -> Me
 
     ``devices=None``: the first ``d`` of ``jax.local_devices()``, ``d`` the largest count that
     divides ``num_tasks`` (so every device gets ``num_tasks / d`` whole pairs); ``None`` when that
-    is 1. An explicit sequence is used as given and must divide ``num_tasks``.
+    is 1. An explicit sequence is used as given (distinct devices) and must divide ``num_tasks``.
     """
+    num_tasks = positive_int(num_tasks, "num_tasks")
     if devices is None:
         local = jax.local_devices()
         count = max(d for d in range(1, len(local) + 1) if num_tasks % d == 0)
@@ -228,6 +241,8 @@ def task_mesh(num_tasks: int, devices: Sequence[jax.Device] | None = None) -> Me
     devices = list(devices)
     if not devices or not all(isinstance(d, jax.Device) for d in devices):
         raise TypeError(f"devices must be a non-empty sequence of jax.Device, got {devices!r}")
+    if len(set(devices)) != len(devices):
+        raise ValueError(f"devices must be distinct, got {devices!r}")
     if num_tasks % len(devices):
         raise ValueError(f"num_tasks ({num_tasks}) must be a multiple of the number of devices ({len(devices)})")
     return Mesh(np.array(devices), ("tasks",))
@@ -248,17 +263,35 @@ def make_pes_estimator(rule: Any, task: Any, *, num_tasks: int, horizon: int, tr
     divide ``num_tasks``; pass ``devices=jax.local_devices()[:1]`` for one device): the PES state
     lives sharded along its task axis (``NamedSharding(mesh, P("tasks"))``), ``meta_params`` and
     ``key`` are replicated, and ``grad`` and ``metrics`` come back replicated over the devices.
-    The result equals the one-device estimator's up to float summation order.
+    The result equals the one-device estimator's up to float summation order. ``meta_params`` must
+    match ``rule.init_meta_params`` (structure, shapes, floating dtypes; checked on every call, in Python).
     """
+    num_tasks, horizon = positive_int(num_tasks, "num_tasks"), positive_int(horizon, "horizon")
+    truncation_length = positive_int(truncation_length, "truncation_length")
+    if horizon % truncation_length:
+        raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
+    std = positive_float(std, "std")
+    check_aggregation(aggregation)
+    meta_params_template(rule)  # the rule's meta-parameter shapes, traced once here
     config = dict(rule=rule, task=task, num_tasks=num_tasks, horizon=horizon, truncation_length=truncation_length)
-    init = functools.partial(pes_init_state, **config)
-    gradient = functools.partial(pes_gradient, std=std, aggregation=aggregation, **config)
+    unchecked_init = functools.partial(pes_init_state, **config)
+    unchecked_gradient = functools.partial(pes_gradient, std=std, aggregation=aggregation, **config)
+
+    def init(meta_params: PyTree, key: jax.Array) -> PESState:
+        check_meta_params(rule, meta_params)
+        return unchecked_init(meta_params, key)
+
+    def gradient(meta_params: PyTree, key: jax.Array, state: PESState
+                 ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
+        check_meta_params(rule, meta_params)
+        return unchecked_gradient(meta_params, key, state)
+
     mesh = task_mesh(num_tasks, devices)
     if mesh is None:
         return PESEstimator(init, gradient)
     split = NamedSharding(mesh, PartitionSpec("tasks"))  # every PESState leaf has the task axis first
     replicated = NamedSharding(mesh, PartitionSpec())
-    sharded_gradient = jax.jit(gradient, in_shardings=(replicated, replicated, split),
+    sharded_gradient = jax.jit(unchecked_gradient, in_shardings=(replicated, replicated, split),
                                out_shardings=(replicated, split, replicated))
 
     def init_on_mesh(meta_params: PyTree, key: jax.Array) -> PESState:
@@ -266,6 +299,7 @@ def make_pes_estimator(rule: Any, task: Any, *, num_tasks: int, horizon: int, tr
 
     def gradient_on_mesh(meta_params: PyTree, key: jax.Array, state: PESState
                          ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
+        check_meta_params(rule, meta_params)
         return sharded_gradient(_place(meta_params, replicated), _place(key, replicated), _place(state, split))
 
     return PESEstimator(init_on_mesh, gradient_on_mesh)

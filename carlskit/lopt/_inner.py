@@ -79,13 +79,21 @@ def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_ke
     return state, losses.reshape(-1)
 
 
+AGGREGATIONS: tuple[str, ...] = ("mean", "last")
+
+
+def check_aggregation(aggregation: str) -> None:
+    """ValueError unless ``aggregation`` is one of ``AGGREGATIONS``."""
+    if not isinstance(aggregation, str) or aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
 def aggregate_losses(losses: jax.Array, aggregation: str) -> jax.Array:
     """Outer loss of an unroll (last axis = steps): ``mean`` over steps or the ``last`` step's loss."""
+    check_aggregation(aggregation)
     if aggregation == "mean":
         return jnp.mean(losses, axis=-1)
-    if aggregation == "last":
-        return losses[..., -1]
-    raise ValueError(f"aggregation must be 'mean' or 'last', got {aggregation!r}")
+    return losses[..., -1]
 
 
 def train_task(rule: Any, task: Any, meta_params: PyTree, task_key: jax.Array, num_steps: int,

@@ -10,6 +10,7 @@ import importlib.resources
 import os
 import pathlib
 import time
+from collections.abc import Mapping
 from typing import Any, Callable
 
 import jax
@@ -17,6 +18,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from carlskit.lopt._checks import (
+    check_meta_params,
+    check_real_floating,
+    check_same_layout,
+    positive_float,
+    positive_int,
+)
 from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
@@ -54,6 +62,10 @@ class LearnedOptimizer:
                 raise TypeError(f"rule must define {name}(); got {type(self.rule).__name__}")
         if meta_params is not None:
             self._check_meta_params(meta_params)
+        if train_horizon is not None:
+            train_horizon = positive_int(train_horizon, "train_horizon")
+        if info is not None and not isinstance(info, Mapping):
+            raise TypeError(f"info must be a dict or None, got {type(info).__name__}")
         self.meta_params = meta_params
         self.train_horizon = train_horizon
         self.info = dict(info or {})
@@ -66,6 +78,9 @@ class LearnedOptimizer:
     # ------------------------------------------------------------------ meta-parameters
     def init(self, key: jax.Array) -> PyTree:
         """Fresh meta-parameters ``rule.init_meta_params(key)`` (does not store them)."""
+        if not _is_prng_key(key):
+            raise TypeError(f"key must be a JAX random key such as jax.random.PRNGKey(0) or jax.random.key(0), "
+                            f"got {key!r}")
         return self.rule.init_meta_params(key)
 
     @property
@@ -73,13 +88,8 @@ class LearnedOptimizer:
         return int(sum(np.size(x) for x in jax.tree.leaves(self.meta_params)))
 
     def _check_meta_params(self, meta_params: PyTree) -> None:
-        expected = jax.eval_shape(self.rule.init_meta_params, jax.random.PRNGKey(0))
-        got_structure, want_structure = jax.tree.structure(meta_params), jax.tree.structure(expected)
-        if got_structure != want_structure:
-            raise TypeError(f"meta_params: expected pytree {want_structure}, got {got_structure}")
-        for got, want in zip(jax.tree.leaves(meta_params), jax.tree.leaves(expected)):
-            if tuple(np.shape(got)) != tuple(want.shape):
-                raise ValueError(f"meta_params: leaf of shape {np.shape(got)}, expected {want.shape}")
+        """Structure and shapes of ``rule.init_meta_params``, real floating dtypes, finite values."""
+        check_meta_params(self.rule, meta_params, finite=True)
 
     def _resolve(self, meta_params: PyTree | None) -> PyTree:
         if meta_params is None:
@@ -98,14 +108,20 @@ class LearnedOptimizer:
         ``num_steps``: the length of the run it will be used for; the time features then see
         ``t * train_horizon / num_steps`` so a schedule learned for ``train_horizon`` stretches to
         the new length. Extra arguments such as ``loss=`` are accepted and ignored.
+
+        Params must have real floating dtypes (TypeError naming the leaf, e.g. ``params['b']``);
+        grads and state must match params leaf by leaf (ValueError naming the leaf and both shapes).
+        These checks are Python on static dtypes and shapes: under ``jit`` they run once, at trace time.
         """
         theta = self._resolve(meta_params)
-        if num_steps is not None and (not isinstance(num_steps, int) or num_steps <= 0):
-            raise ValueError(f"num_steps must be a positive int or None, got {num_steps!r}")
+        if num_steps is not None:
+            num_steps = positive_int(num_steps, "num_steps")
         time_scale = 1.0 if num_steps is None or self.train_horizon is None else self.train_horizon / num_steps
         rule = self.rule
 
+        # Checks are Python on dtypes and static shapes: under jit they run once, at trace time.
         def init_fn(params: PyTree) -> PyTree:
+            check_real_floating(params, "params")
             return rule.init_state(params)
 
         def update_fn(updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any):
@@ -113,6 +129,8 @@ class LearnedOptimizer:
             if params is None:
                 raise ValueError("params: the learned optimizer reads parameter values; "
                                  "call tx.update(grads, state, params)")
+            check_real_floating(params, "params")
+            check_same_layout(params, "params", updates, "grads")
             return rule.update(theta, state, updates, params, time_scale)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -166,6 +184,7 @@ class LearnedOptimizer:
                      meta_params: PyTree | None = None) -> np.ndarray:
         """Inner-training losses ``[num_tasks, num_steps]`` of ``task`` instances, all vmapped."""
         theta = self._resolve(meta_params)
+        num_steps, num_tasks = positive_int(num_steps, "num_steps"), positive_int(num_tasks, "num_tasks")
         time_scale = 1.0 if self.train_horizon is None else self.train_horizon / num_steps
         keys = jax.random.split(jax.random.PRNGKey(seed), num_tasks)
         return np.asarray(train_tasks_vectorized(self.rule, task, theta, keys, num_steps, time_scale))
@@ -186,11 +205,20 @@ class LearnedOptimizer:
         Starts from ``meta_params``, else the held ones, else ``init(PRNGKey(seed))``. Shows a
         tqdm bar and, in a notebook (``live_plot=None``), a live outer-loss curve. Returns a new
         ``LearnedOptimizer`` carrying the result and its ``history``.
+
+        An outer step in which every pair diverged records ``outer_loss`` NaN and leaves the
+        meta-parameters and Adam's state untouched; meta-parameters that become non-finite after
+        an update raise ``FloatingPointError``.
         """
         if estimator not in ("pes", "es"):
             raise ValueError(f"estimator must be 'pes' or 'es', got {estimator!r}")
-        if num_outer_steps < 1 or num_tasks < 1:
-            raise ValueError("num_outer_steps and num_tasks must be >= 1")
+        num_outer_steps = positive_int(num_outer_steps, "num_outer_steps")
+        num_tasks, horizon = positive_int(num_tasks, "num_tasks"), positive_int(horizon, "horizon")
+        truncation_length = positive_int(truncation_length, "truncation_length")
+        plot_every = positive_int(plot_every, "plot_every")
+        std, meta_learning_rate = positive_float(std, "std"), positive_float(meta_learning_rate, "meta_learning_rate")
+        if time_budget_s is not None:
+            time_budget_s = positive_float(time_budget_s, "time_budget_s")
         if estimator == "pes" and horizon % truncation_length:
             raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
         family = _SingleTaskFamily(task_family) if isinstance(task_family, Task) else task_family
@@ -238,13 +266,20 @@ class LearnedOptimizer:
                 grad, pes_states[task], metrics = estimators[task].gradient(theta, step_key, pes_states[task])
             else:
                 grad, metrics = estimators[task](theta, step_key)
-            if all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(grad)):
+            nan_fraction = float(metrics["nan_fraction"])
+            # Every pair diverged: the estimate is no information (a zero vector), so Adam must not
+            # see it (its momentum would still move theta).
+            if nan_fraction < 1.0 and _all_finite(grad):
                 updates, meta_state = meta_optimizer.update(grad, meta_state, theta)
                 theta = optax.apply_updates(theta, updates)
+                if not _all_finite(theta):
+                    raise FloatingPointError(
+                        f"meta_train: the meta-parameters became non-finite at outer step {outer_step} "
+                        f"(meta_learning_rate={meta_learning_rate}); lower meta_learning_rate or std")
             outer_loss = float(metrics["outer_loss"])
             history["step"].append(outer_step)
             history["outer_loss"].append(outer_loss)
-            history["nan_fraction"].append(float(metrics["nan_fraction"]))
+            history["nan_fraction"].append(nan_fraction)
             bar.set_postfix(outer_loss=f"{outer_loss:.4f}")
             if callback is not None:
                 callback(outer_step, {"outer_loss": outer_loss, "nan_fraction": history["nan_fraction"][-1]})
@@ -258,6 +293,22 @@ class LearnedOptimizer:
         LearnedOptimizer.__init__(trained, self.rule, theta, horizon, self.info)
         trained.history = history
         return trained
+
+
+def _all_finite(tree: PyTree) -> bool:
+    """One device-to-host transfer for the whole tree (a bool per outer step)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))) if leaves else True
+
+
+def _is_prng_key(key: Any) -> bool:
+    """A typed key (``jax.random.key``) or a raw ``uint32[2]`` one (``jax.random.PRNGKey``)."""
+    dtype = getattr(key, "dtype", None)
+    if dtype is None:
+        return False
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        return True
+    return dtype == np.uint32 and tuple(np.shape(key)) == (2,)
 
 
 class LearnableAdam(LearnedOptimizer):

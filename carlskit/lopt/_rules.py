@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from carlskit.lopt._checks import check_same_layout, check_state_keys, finite_float, positive_float, positive_ints
+
 PyTree = Any
 
 TIME_SCALES: tuple[float, ...] = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0, 10000.0)
@@ -58,6 +60,12 @@ class MLPUpdateRule:
     direction so that an untrained optimizer is per-tensor-normalised momentum SGD with that step
     size (0 gives a plain random MLPLOpt). With minutes instead of CPU-years of meta-training this
     starting point matters; ES then learns the rest (schedules, use of the other features).
+
+    Non-finite gradients: every feature is normalised by its RMS over the whole tensor, so a single
+    NaN or inf gradient entry makes the update of *every* entry of that tensor NaN, and the momenta
+    keep it for the following steps (optax's Adam confines it to the one entry). Other tensors are
+    unaffected. Clip or guard gradients upstream (e.g. ``optax.chain(optax.zero_nans(), tx)``) when
+    they can be non-finite.
     """
 
     hidden_sizes: tuple[int, ...] = (32, 32)
@@ -68,12 +76,18 @@ class MLPUpdateRule:
     kind: ClassVar[str] = "mlp"
 
     def __post_init__(self) -> None:
-        if not self.hidden_sizes or any(int(h) <= 0 for h in self.hidden_sizes):
-            raise ValueError(f"hidden_sizes must be a non-empty tuple of positive ints, got {self.hidden_sizes!r}")
-        if not self.decays or any(not 0.0 <= d < 1.0 for d in self.decays):
+        object.__setattr__(self, "hidden_sizes", positive_ints(self.hidden_sizes, "hidden_sizes"))
+        try:
+            decays = tuple(finite_float(d, "decays") for d in self.decays)
+        except TypeError:
+            decays = ()
+        if not decays or any(not 0.0 <= d < 1.0 for d in decays):
             raise ValueError(f"decays must be a non-empty tuple of floats in [0, 1), got {self.decays!r}")
-        object.__setattr__(self, "hidden_sizes", tuple(int(h) for h in self.hidden_sizes))
-        object.__setattr__(self, "decays", tuple(float(d) for d in self.decays))
+        object.__setattr__(self, "decays", decays)
+        object.__setattr__(self, "step_mult", positive_float(self.step_mult, "step_mult"))
+        object.__setattr__(self, "exp_mult", finite_float(self.exp_mult, "exp_mult"))
+        object.__setattr__(self, "initial_learning_rate",
+                           finite_float(self.initial_learning_rate, "initial_learning_rate", minimum=0.0))
 
     @property
     def num_param_features(self) -> int:
@@ -122,7 +136,13 @@ class MLPUpdateRule:
         (``[width, n]``: the long axis ``n`` is the fast one, which CPU matmul kernels need; the
         entry-major layout ``[n, width]`` made the 2-wide output and skip layers the slowest ops).
         The skip path shares the first matmul (its weights are appended as 2 extra output rows).
+
+        ``grads`` and ``state`` must match ``params`` (checked when traced: ValueError naming the
+        leaf). Empty ``params`` give empty updates, as in optax.
         """
+        check_update_arguments(self, state, grads, params, {"momenta": (len(self.decays),)})
+        if not jax.tree.leaves(params):
+            return params, {"momenta": state["momenta"], "step": state["step"] + 1}
         time_features = tanh_time_features(state["step"].astype(jnp.float32) * time_scale)
         treedef = jax.tree.structure(params)
         flat_params = treedef.flatten_up_to(params)
@@ -152,6 +172,21 @@ class MLPUpdateRule:
         return treedef.unflatten(updates), {"momenta": momenta, "step": state["step"] + 1}
 
 
+def check_update_arguments(rule: Any, state: PyTree, grads: PyTree, params: PyTree,
+                           per_param_state: dict[str, tuple[int, ...]]) -> None:
+    """``grads`` and every ``state[name]`` in ``per_param_state`` must have the pytree structure of
+    ``params`` and its leaf shapes (with the given leading axes in front); ``state['step']`` a scalar.
+
+    Pure Python on static shapes: under ``jit`` it runs once, when the update is traced.
+    """
+    check_same_layout(params, "params", grads, "grads")
+    check_state_keys(state, (*per_param_state, "step"), rule)
+    for name, leading_shape in per_param_state.items():
+        check_same_layout(params, "params", state[name], f"state['{name}']", leading_shape)
+    if np.shape(state["step"]) != ():
+        raise ValueError(f"state['step']: shape {np.shape(state['step'])}, expected a scalar ()")
+
+
 def _logit(x: float) -> float:
     return math.log(x / (1.0 - x))
 
@@ -166,6 +201,10 @@ class LearnableAdamRule:
 
     initial_learning_rate: float = 1e-3
     kind: ClassVar[str] = "adam"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "initial_learning_rate",
+                           positive_float(self.initial_learning_rate, "initial_learning_rate"))
 
     def init_meta_params(self, key: jax.Array | None = None) -> PyTree:
         del key
@@ -183,6 +222,7 @@ class LearnableAdamRule:
     def update(self, meta_params: PyTree, state: PyTree, grads: PyTree, params: PyTree,
                time_scale: float | jax.Array = 1.0) -> tuple[PyTree, PyTree]:
         del time_scale
+        check_update_arguments(self, state, grads, params, {"mu": (), "nu": ()})
         lr = jnp.exp(meta_params["log_learning_rate"])
         b1 = jax.nn.sigmoid(meta_params["logit_beta1"])
         b2 = jax.nn.sigmoid(meta_params["logit_beta2"])

@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from carlskit.lopt._checks import finite_float, positive_int, positive_ints
+
 PyTree = Any
 
 ACTIVATIONS = {"relu": jax.nn.relu, "tanh": jnp.tanh, "elu": jax.nn.elu, "gelu": jax.nn.gelu}
@@ -66,6 +68,10 @@ class QuadraticTask(Task):
     condition: float = 10.0
     noise_std: float = 0.0
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dim", positive_int(self.dim, "dim"))
+        _check_quadratic_constants(self)
+
     def sample_task_params(self, key: jax.Array) -> PyTree:
         scale_key, centre_key = jax.random.split(key)
         log_scales = jax.random.uniform(scale_key, (self.dim,), minval=-math.log(self.condition), maxval=0.0)
@@ -90,11 +96,26 @@ class QuadraticFamily(TaskFamily):
     condition: float = 10.0
     noise_std: float = 0.1
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", positive_ints(self.dims, "dims"))
+        _check_quadratic_constants(self)
+
     def tasks(self) -> tuple[Task, ...]:
         return tuple(QuadraticTask(d, self.condition, self.noise_std) for d in self.dims)
 
     def sample(self, rng: np.random.Generator) -> Task:
         return self.tasks()[int(rng.integers(len(self.dims)))]
+
+
+def _check_quadratic_constants(task: Any) -> None:
+    """``condition >= 1`` (scales log-uniform over ``[1/condition, 1]``) and ``noise_std >= 0``, finite."""
+    object.__setattr__(task, "condition", finite_float(task.condition, "condition", minimum=1.0))
+    object.__setattr__(task, "noise_std", finite_float(task.noise_std, "noise_std", minimum=0.0))
+
+
+def _check_activation(activation: Any, name: str = "activation") -> None:
+    if not isinstance(activation, str) or activation not in ACTIVATIONS:
+        raise ValueError(f"{name} must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
 
 
 # ------------------------------------------------------------------------------- digits 8x8
@@ -126,9 +147,9 @@ class DigitsMLPTask(Task):
     batch_size: int = 128
 
     def __post_init__(self) -> None:
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
-        object.__setattr__(self, "hidden_sizes", tuple(int(h) for h in self.hidden_sizes))
+        _check_activation(self.activation)
+        object.__setattr__(self, "hidden_sizes", positive_ints(self.hidden_sizes, "hidden_sizes", allow_empty=True))
+        object.__setattr__(self, "batch_size", positive_int(self.batch_size, "batch_size"))
 
     def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
         sizes = (64, *self.hidden_sizes, 10)
@@ -158,6 +179,16 @@ class DigitsMLPFamily(TaskFamily):
     activations: tuple[str, ...] = ("relu", "tanh")
     batch_size: int = 128
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "widths", positive_ints(self.widths, "widths"))
+        object.__setattr__(self, "depths", positive_ints(self.depths, "depths"))
+        if isinstance(self.activations, str) or not self.activations:
+            raise ValueError(f"activations must be a non-empty tuple of names, got {self.activations!r}")
+        object.__setattr__(self, "activations", tuple(self.activations))
+        for i, activation in enumerate(self.activations):
+            _check_activation(activation, f"activations[{i}]")
+        object.__setattr__(self, "batch_size", positive_int(self.batch_size, "batch_size"))
+
     def tasks(self) -> tuple[Task, ...]:
         return tuple(
             DigitsMLPTask((w,) * d, a, self.batch_size)
@@ -178,6 +209,13 @@ class DigitsConvTask(Task):
 
     channels: tuple[int, int] = (8, 16)
     batch_size: int = 128
+
+    def __post_init__(self) -> None:
+        channels = positive_ints(self.channels, "channels")
+        if len(channels) != 2:
+            raise ValueError(f"channels must be 2 positive ints (conv1, conv2), got {self.channels!r}")
+        object.__setattr__(self, "channels", channels)
+        object.__setattr__(self, "batch_size", positive_int(self.batch_size, "batch_size"))
 
     def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
         k1, k2, k3 = jax.random.split(key, 3)

@@ -9,6 +9,7 @@ from carlskit.lopt import (
     QuadraticTask,
     aggregate_losses,
     full_es_gradient,
+    make_full_es_estimator,
     make_pes_estimator,
     train_task,
 )
@@ -113,3 +114,83 @@ def test_loss_aggregation_options():
     with pytest.raises(ValueError, match="horizon"):
         make_pes_estimator(LearnableAdamRule(), QUADRATIC, num_tasks=2, horizon=25, truncation_length=10).init(
             LearnableAdamRule().init_meta_params(), jax.random.PRNGKey(0))
+
+
+def test_outer_loss_is_nan_when_every_pair_diverges():
+    rule = LearnableAdamRule()
+    diverging = dict(rule.init_meta_params(), log_learning_rate=jnp.asarray(80.0))
+    task_keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    _, metrics = full_es_gradient(diverging, jax.random.PRNGKey(1), task_keys, rule=rule,
+                                  task=QuadraticTask(4, noise_std=0.1), num_steps=5)
+    assert float(metrics["nan_fraction"]) == 1.0 and np.isnan(float(metrics["outer_loss"]))
+    _, metrics = full_es_gradient(rule.init_meta_params(), jax.random.PRNGKey(1), task_keys, rule=rule,
+                                  task=QuadraticTask(4, noise_std=0.1), num_steps=5)
+    assert float(metrics["nan_fraction"]) == 0.0 and np.isfinite(float(metrics["outer_loss"]))
+
+
+def test_estimator_sizes_and_options_are_checked_at_construction():
+    from carlskit.lopt import pes_init_state, task_mesh
+
+    rule = LearnableAdamRule()
+    full = lambda **kw: make_full_es_estimator(rule, QUADRATIC, **{"num_tasks": 2, "num_steps": 5, **kw})
+    pes = lambda **kw: make_pes_estimator(rule, QUADRATIC, **{"num_tasks": 2, "horizon": 10,
+                                                               "truncation_length": 5, **kw})
+    cases = [
+        (lambda: full(num_tasks=0), ValueError, "num_tasks"),
+        (lambda: full(num_steps=0), ValueError, "num_steps"),
+        (lambda: full(num_tasks=1.5), TypeError, "num_tasks"),
+        (lambda: full(std=0.0), ValueError, "std"),
+        (lambda: full(aggregation="median"), ValueError, "aggregation"),
+        (lambda: pes(num_tasks=-2), ValueError, "num_tasks"),
+        (lambda: pes(horizon=5, truncation_length=2), ValueError, "multiple"),
+        (lambda: pes(truncation_length=0), ValueError, "truncation_length"),
+        (lambda: pes(aggregation="x"), ValueError, "aggregation"),
+        (lambda: pes(std=float("nan")), ValueError, "std"),
+        (lambda: pes_init_state(rule.init_meta_params(), jax.random.PRNGKey(0), rule=rule, task=QUADRATIC,
+                                num_tasks=2, horizon=-4, truncation_length=2), ValueError, "horizon"),
+        (lambda: task_mesh(0), ValueError, "num_tasks"),
+        (lambda: task_mesh(-4), ValueError, "num_tasks"),
+        (lambda: task_mesh(3.0), TypeError, "num_tasks"),
+        (lambda: task_mesh(2, [jax.devices()[0]] * 2), ValueError, "distinct"),
+    ]
+    for make, error, name in cases:
+        with pytest.raises(error, match=name):
+            make()
+
+
+def test_estimators_check_meta_params_against_the_rule():
+    rule = MLPUpdateRule(hidden_sizes=(4,))
+    wider = MLPUpdateRule(hidden_sizes=(8,)).init_meta_params(jax.random.PRNGKey(0))
+    theta = rule.init_meta_params(jax.random.PRNGKey(0))
+    full = make_full_es_estimator(rule, QUADRATIC, num_tasks=2, num_steps=3)
+    pes = make_pes_estimator(rule, QUADRATIC, num_tasks=2, horizon=6, truncation_length=3)
+    with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]: shape \(8,\), MLPUpdateRule.init_meta_params gives \(4,\)"):
+        full(wider, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]"):
+        pes.init(wider, jax.random.PRNGKey(0))
+    state = pes.init(theta, jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]"):
+        pes.gradient(wider, jax.random.PRNGKey(1), state)
+    with pytest.raises(TypeError, match="dtype"):
+        full(jax.tree.map(lambda x: x.astype(jnp.int32), theta), jax.random.PRNGKey(0))
+
+
+def test_es_worker_checks_its_config_the_learners_meta_params_and_puts_no_diverged_records(tmp_path):
+    import threading
+
+    from carlskit.lopt import GradientStore, Learner, QuadraticFamily
+    from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
+
+    for field, bad in [("num_tasks", 0), ("num_steps", -1), ("put_every", 0), ("std", 0.0), ("aggregation", "x")]:
+        with pytest.raises(ValueError, match=field):
+            ESWorkerConfig(**{field: bad})
+    rule, family, config = LearnableAdamRule(), QuadraticFamily(dims=(4,)), ESWorkerConfig(num_tasks=2, num_steps=3)
+    store = GradientStore()
+    diverging = dict(rule.init_meta_params(), log_learning_rate=np.float32(80.0))
+    learner = Learner(rule, store, str(tmp_path / "ckpt"), initial_meta_params=diverging)
+    assert run_es_worker(0, learner, store, family, rule, config, threading.Event(), "t", max_rounds=1) == 0
+    assert store.size() == 0
+    small_rule = MLPUpdateRule(hidden_sizes=(4,))
+    wide_learner = Learner(MLPUpdateRule(hidden_sizes=(8,)), store, str(tmp_path / "ckpt8"))
+    with pytest.raises(ValueError, match=r"learner meta_params\['layers'\]\[0\]\['b'\]"):
+        run_es_worker(0, wide_learner, store, family, small_rule, config, threading.Event(), "t", max_rounds=1)

@@ -1,8 +1,11 @@
+import dataclasses
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from carlskit.lopt import LearnedOptimizer, MLPUpdateRule, QuadraticFamily, QuadraticTask
+from carlskit.lopt import LearnableAdam, LearnedOptimizer, MLPUpdateRule, QuadraticFamily, QuadraticTask, TaskFamily
 
 
 def test_meta_training_lowers_outer_loss():
@@ -31,3 +34,68 @@ def test_meta_train_validates_arguments():
         optimizer.meta_train(QuadraticFamily(), 1, horizon=30, truncation_length=20)
     with pytest.raises(TypeError, match="task_family"):
         optimizer.meta_train("digits", 1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DivergingQuadratic(QuadraticTask):
+    """A quadratic whose loss is always NaN: every antithetic pair diverges."""
+
+    def loss(self, params, batch, task_params):
+        return super().loss(params, batch, task_params) * jnp.nan
+
+
+class _GoodThenDiverging(TaskFamily):
+    def __init__(self):
+        self.calls = 0
+
+    def sample(self, rng):
+        self.calls += 1
+        return QuadraticTask(4) if self.calls == 1 else _DivergingQuadratic(4)
+
+
+def test_meta_train_skips_steps_where_every_pair_diverged():
+    start = LearnableAdam()
+    options = dict(estimator="es", num_tasks=2, horizon=4, meta_learning_rate=0.1, progress=False)
+    one_step = start.meta_train(_GoodThenDiverging(), 1, **options)
+    three_steps = start.meta_train(_GoodThenDiverging(), 3, **options)
+    assert not np.allclose(_flat(one_step.meta_params), _flat(start.meta_params))
+    # The diverged steps neither report a loss of 0 nor let Adam's momentum move theta.
+    assert np.isfinite(three_steps.history["outer_loss"][0])
+    assert np.all(np.isnan(three_steps.history["outer_loss"][1:])), three_steps.history
+    assert three_steps.history["nan_fraction"][1:] == [1.0, 1.0]
+    np.testing.assert_array_equal(_flat(three_steps.meta_params), _flat(one_step.meta_params))
+
+
+def test_meta_train_stops_when_theta_becomes_non_finite():
+    # 1e39 is a finite Python float but overflows float32: the first update makes theta infinite.
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        LearnableAdam().meta_train(QuadraticTask(4), 2, estimator="es", num_tasks=2, horizon=4,
+                                   meta_learning_rate=1e39, progress=False)
+
+
+def test_meta_train_and_train_curves_check_sizes_and_meta_params():
+    optimizer = LearnableAdam()
+    task = QuadraticTask(4)
+    cases = [
+        (dict(horizon=0, estimator="es"), ValueError, "horizon"),
+        (dict(horizon=-4), ValueError, "horizon"),
+        (dict(truncation_length=0), ValueError, "truncation_length"),
+        (dict(num_tasks=1.5), TypeError, "num_tasks"),
+        (dict(num_outer_steps=2.5), TypeError, "num_outer_steps"),
+        (dict(std=0.0), ValueError, "std"),
+        (dict(meta_learning_rate=float("nan")), ValueError, "meta_learning_rate"),
+        (dict(meta_learning_rate=-1.0), ValueError, "meta_learning_rate"),
+        (dict(plot_every=0), ValueError, "plot_every"),
+        (dict(meta_params=jax.tree.map(lambda x: x.astype(jnp.int32), optimizer.meta_params)), TypeError, "dtype"),
+    ]
+    for options, error, name in cases:
+        with pytest.raises(error, match=name):
+            optimizer.meta_train(task, **{"num_outer_steps": 1, "progress": False, **options})
+    for options, error, name in [(dict(num_steps=0), ValueError, "num_steps"), (dict(num_steps=-1), ValueError,
+                                  "num_steps"), (dict(num_tasks=-1), ValueError, "num_tasks")]:
+        with pytest.raises(error, match=name):
+            optimizer.train_curves(task, **options)
+
+
+def _flat(tree):
+    return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])

@@ -126,3 +126,102 @@ def test_mlp_rule_matches_per_entry_formula():
             np.testing.assert_allclose(np.asarray(updates[name]).reshape(-1)[i], want, rtol=1e-4, atol=1e-8)
         np.testing.assert_allclose(np.asarray(new_state["momenta"][name]).reshape(len(rule.decays), -1), momenta,
                                    rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+def test_as_optax_refuses_integer_and_complex_params_naming_the_leaf(rule):
+    tx = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0))).as_optax()
+    good = {"w": jnp.ones((2, 3), jnp.float32)}
+    for bad_leaf in (jnp.arange(3, dtype=jnp.int32), jnp.ones(3, jnp.complex64)):
+        params = {**good, "b": bad_leaf}
+        with pytest.raises(TypeError, match=r"params\['b'\].*dtype"):
+            tx.init(params)
+        with pytest.raises(TypeError, match=r"params\['b'\].*dtype"):
+            tx.update(params, tx.init(good), params)
+
+
+@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+def test_update_compares_grads_params_and_state_leaf_by_leaf(rule):
+    tx = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0))).as_optax()
+    update = jax.jit(tx.update)  # the checks run when tracing, so they hold under jit too
+    params = {"w": jnp.ones((2, 2)), "b": jnp.ones((3,))}
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"grads\['b'\]: shape \(4,\), params\['b'\] \(3,\)"):
+        update({"w": jnp.ones((2, 2)), "b": jnp.ones((4,))}, state, params)
+    with pytest.raises(ValueError, match=r"grads\['w'\]: shape \(2, 3\), params\['w'\] \(2, 2\)"):
+        update({"w": jnp.ones((2, 3)), "b": jnp.ones((3,))}, state, params)
+    with pytest.raises(ValueError, match=r"grads: pytree structure"):
+        update({"w": jnp.ones((2, 2))}, state, params)
+    state_of_other_params = tx.init({"w": jnp.ones((2, 2)), "b": jnp.ones((1, 3))})
+    with pytest.raises(ValueError, match=r"state\['(momenta|mu)'\]\['b'\]: shape"):
+        update(params, state_of_other_params, params)
+    with pytest.raises(ValueError, match="state"):
+        update(params, None, params)
+    other_rule = LearnableAdamRule() if isinstance(rule, MLPUpdateRule) else SMALL_RULE
+    with pytest.raises(ValueError, match="state: expected"):
+        update(params, other_rule.init_state(params), params)
+    with pytest.raises(ValueError, match=r"grads\['b'\]"):  # the bare rule checks too
+        rule.update(rule.init_meta_params(jax.random.PRNGKey(0)), state, {"w": jnp.ones((2, 2)), "b": jnp.ones(4)},
+                    params)
+
+
+@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+def test_empty_params_give_empty_updates_like_optax(rule):
+    meta_params = rule.init_meta_params(jax.random.PRNGKey(0))
+    tx = LearnedOptimizer(rule, meta_params).as_optax()
+    updates, state = tx.update({}, tx.init({}), {})
+    assert updates == {}
+    updates, state = rule.update(meta_params, rule.init_state({}), {}, {})
+    assert updates == {} and int(state["step"]) == 1
+
+
+def test_one_non_finite_gradient_entry_poisons_only_its_tensor_as_documented():
+    assert "NaN" in MLPUpdateRule.__doc__ and "tensor" in MLPUpdateRule.__doc__
+    tx = LearnedOptimizer(SMALL_RULE, SMALL_RULE.init_meta_params(jax.random.PRNGKey(0))).as_optax()
+    params = {"a": jnp.ones(4), "b": jnp.ones(4)}
+    grads = {"a": jnp.asarray([1.0, jnp.nan, 1.0, 1.0]), "b": jnp.ones(4)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert bool(jnp.all(jnp.isnan(updates["a"]))) and bool(jnp.all(jnp.isfinite(updates["b"])))
+
+
+def test_rule_configuration_errors_name_the_field():
+    for bad, error in [(32, TypeError), ((2.7,), TypeError), ((0,), ValueError), ((True,), TypeError)]:
+        with pytest.raises(error, match="hidden_sizes"):
+            MLPUpdateRule(hidden_sizes=bad)
+    for bad in (float("nan"), 0.0, -1e-3):
+        with pytest.raises(ValueError, match="step_mult"):
+            MLPUpdateRule(step_mult=bad)
+    with pytest.raises(ValueError, match="exp_mult"):
+        MLPUpdateRule(exp_mult=float("inf"))
+    with pytest.raises(ValueError, match="initial_learning_rate"):
+        MLPUpdateRule(initial_learning_rate=-1.0)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="initial_learning_rate"):
+            LearnableAdamRule(bad)
+    assert MLPUpdateRule(hidden_sizes=[np.int64(4)]).hidden_sizes == (4,)
+
+
+def test_learned_optimizer_checks_meta_params_horizon_info_key_and_num_steps():
+    rule = SMALL_RULE
+    theta = rule.init_meta_params(jax.random.PRNGKey(0))
+    with pytest.raises(TypeError, match=r"meta_params\['skip'\].*dtype"):
+        LearnedOptimizer(rule, dict(theta, skip=theta["skip"].astype(jnp.int32)))
+    with pytest.raises(TypeError, match="dtype"):
+        LearnedOptimizer(rule, jax.tree.map(lambda x: np.asarray(x).astype(object), theta))
+    with pytest.raises(ValueError, match=r"meta_params\['skip'\].*non-finite"):
+        LearnedOptimizer(rule, dict(theta, skip=theta["skip"].at[0, 0].set(jnp.nan)))
+    with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]: shape \(4,\)"):
+        LearnedOptimizer(rule, MLPUpdateRule(hidden_sizes=(4,)).init_meta_params(jax.random.PRNGKey(0)))
+    for bad, error in [(0, ValueError), (-5, ValueError), ("a", TypeError), (2.5, TypeError)]:
+        with pytest.raises(error, match="train_horizon"):
+            LearnedOptimizer(rule, theta, train_horizon=bad)
+    with pytest.raises(TypeError, match="info"):
+        LearnedOptimizer(rule, theta, info=5)
+    with pytest.raises(TypeError, match="key"):
+        LearnedOptimizer(rule).init(0)
+    optimizer = LearnedOptimizer(rule, theta, train_horizon=np.int64(10))
+    assert optimizer.train_horizon == 10 and type(optimizer.train_horizon) is int
+    with pytest.raises(TypeError, match="num_steps"):
+        optimizer.as_optax(num_steps=True)
+    optimizer.as_optax(num_steps=np.int64(5))
+    assert jax.tree.structure(optimizer.init(jax.random.key(1))) == jax.tree.structure(theta)

@@ -40,3 +40,25 @@ def test_conv_matches_lax_convolution():
     np.testing.assert_allclose(_conv3x3_same(x, kernel), reference, rtol=1e-4, atol=1e-4)
     strided = jax.lax.conv_general_dilated(x, kernel, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
     np.testing.assert_allclose(_conv3x3_same(x, kernel)[:, 1::2, 1::2], strided, rtol=1e-4, atol=1e-4)
+
+
+def test_task_configuration_errors_name_the_field():
+    cases = [
+        (lambda: QuadraticTask(condition=0), ValueError, "condition"),
+        (lambda: QuadraticTask(dim=0), ValueError, "dim"),
+        (lambda: QuadraticTask(noise_std=-0.1), ValueError, "noise_std"),
+        (lambda: QuadraticFamily(dims=()), ValueError, "dims"),
+        (lambda: QuadraticFamily(dims=(4, 2.5)), TypeError, r"dims\[1\]"),
+        (lambda: DigitsMLPFamily(widths=()), ValueError, "widths"),
+        (lambda: DigitsMLPFamily(depths=(0,)), ValueError, "depths"),
+        (lambda: DigitsMLPFamily(activations=("relu", "swish")), ValueError, "activations"),
+        (lambda: DigitsMLPTask(batch_size=0), ValueError, "batch_size"),
+        (lambda: DigitsMLPTask(hidden_sizes=(2.7,)), TypeError, "hidden_sizes"),
+        (lambda: DigitsConvTask(channels=(8,)), ValueError, "channels"),
+        (lambda: DigitsConvTask(batch_size=-1), ValueError, "batch_size"),
+    ]
+    for make, error, field in cases:
+        with pytest.raises(error, match=field):
+            make()
+    assert DigitsMLPTask(hidden_sizes=[np.int64(8)]) == DigitsMLPTask(hidden_sizes=(8,))  # hashable, normalised
+    assert DigitsMLPTask(hidden_sizes=()).init(jax.random.PRNGKey(0), {})[0]["w"].shape == (64, 10)
