@@ -16,13 +16,18 @@ import numpy as np
 PyTree = Any
 
 
+def integer(value: Any, name: str, minimum: int = 1) -> int:
+    """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+    return int(value)
+
+
 def positive_int(value: Any, name: str) -> int:
     """``value`` as an ``int`` if it is an integer (not a bool) ``>= 1``; else TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be a positive int, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be a positive int (>= 1), got {value!r}")
-    return int(value)
+    return integer(value, name, 1)
 
 
 def finite_float(value: Any, name: str, *, minimum: float | None = None, positive: bool = False) -> float:

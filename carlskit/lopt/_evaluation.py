@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from carlskit._serialization import atomic_write, dumps_json, filesystem, unflatten_into
-from carlskit.lopt._gradient_store import check_integer, check_positive_real
+from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._inner import init_inner_state
 from carlskit.lopt._learner import meta_params_structure
 from carlskit.lopt._tasks import Task, TaskFamily
@@ -94,9 +94,9 @@ class EvalTaskSet:
                 or not all(isinstance(task, Task) for task in self.tasks):
             raise TypeError(f"tasks of {self.name!r} must be a non-empty tuple of Task, got {self.tasks!r}")
         object.__setattr__(self, "tasks", tuple(self.tasks))
-        object.__setattr__(self, "num_instances", check_integer("num_instances", self.num_instances))
-        object.__setattr__(self, "num_steps", check_integer("num_steps", self.num_steps))
-        object.__setattr__(self, "seed", check_integer("seed", self.seed, minimum=0))
+        object.__setattr__(self, "num_instances", positive_int(self.num_instances, "num_instances"))
+        object.__setattr__(self, "num_steps", positive_int(self.num_steps, "num_steps"))
+        object.__setattr__(self, "seed", integer(self.seed, "seed", 0))
 
 
 def default_eval_task_sets(family: TaskFamily, *, ood_tasks: tuple[Task, ...] = (), num_steps: int = 50,
@@ -155,8 +155,8 @@ class EvaluationChief:
             raise TypeError("task_sets must be a non-empty list of EvalTaskSet")
         if len({s.name for s in task_sets}) != len(task_sets):
             raise ValueError("task_sets must have distinct names")
-        eval_workers = check_integer("eval_workers", eval_workers)
-        time_scale = check_positive_real("time_scale", time_scale)
+        eval_workers = positive_int(eval_workers, "eval_workers")
+        time_scale = positive_float(time_scale, "time_scale")
         self.rule, self.task_sets, self.client = rule, list(task_sets), client
         self.eval_workers, self.time_scale, self.on_result, self.workers = eval_workers, time_scale, on_result, workers
         self.checkpoints = CheckpointStore(checkpoint_path, keep=None)

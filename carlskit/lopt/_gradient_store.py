@@ -9,11 +9,11 @@ at), ``task_family`` (str), ``losses`` (the ``[N, 2]`` antithetic pair losses), 
 
 from __future__ import annotations
 
-import math
-import numbers
 import threading
 from collections import OrderedDict
 from typing import Any
+
+from carlskit.lopt._checks import positive_int
 
 RECORD_FIELDS = ("id", "grad", "outer_step", "task_family", "losses", "outer_loss", "worker", "seconds")
 
@@ -26,26 +26,6 @@ def call(target: Any, method: str, *args: Any, timeout: float | None = None, **k
     return result.result(timeout) if isinstance(result, BaseActorFuture) else result
 
 
-def check_integer(argument: str, value: Any, minimum: int = 1) -> int:
-    """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else ``TypeError`` /
-    ``ValueError`` naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{argument} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{argument} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def check_positive_real(argument: str, value: Any) -> float:
-    """``value`` as a ``float`` if it is a finite real number (not a bool) ``> 0``; else ``TypeError`` /
-    ``ValueError`` naming ``argument``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{argument} must be a positive number, got {value!r} ({type(value).__name__})")
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{argument} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 class GradientStore:
     """Batched puts and takes of gradient records, keyed by their unique ``id``, oldest first.
 
@@ -55,7 +35,7 @@ class GradientStore:
     """
 
     def __init__(self, max_records: int = 10_000) -> None:
-        self.max_records = check_integer("max_records", max_records)
+        self.max_records = positive_int(max_records, "max_records")
         self._records: OrderedDict[str, dict] = OrderedDict()
         self._lock = threading.Lock()
         self.puts = self.takes = self.overflowed = self.duplicates = 0
@@ -86,7 +66,7 @@ class GradientStore:
 
     def take_many(self, max_records: int) -> list[dict]:
         """Remove and return up to ``max_records`` records, oldest first."""
-        max_records = check_integer("max_records", max_records)
+        max_records = positive_int(max_records, "max_records")
         with self._lock:
             count = min(max_records, len(self._records))
             taken = [self._records.popitem(last=False)[1] for _ in range(count)]

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from carlskit.lopt._gradient_store import call, check_integer, check_positive_real
+from carlskit.lopt._checks import integer, positive_float, positive_int
+from carlskit.lopt._gradient_store import call
 from carlskit.lopt._rules import rule_to_config
 from carlskit.training import CheckpointStore
 
@@ -70,10 +71,10 @@ class Learner:
                  outer_optimizer: optax.GradientTransformation | None = None, max_staleness: int = 5,
                  max_gradients_per_update: int = 64, checkpoint_every_seconds: float = 600.0,
                  logdir: str | None = None, seed: int = 0, keep_checkpoints: int | None = None) -> None:
-        self.max_staleness = check_integer("max_staleness", max_staleness, minimum=0)
-        self.max_gradients_per_update = check_integer("max_gradients_per_update", max_gradients_per_update)
-        self.checkpoint_every_seconds = check_positive_real("checkpoint_every_seconds", checkpoint_every_seconds)
-        seed = check_integer("seed", seed, minimum=0)
+        self.max_staleness = integer(max_staleness, "max_staleness", 0)
+        self.max_gradients_per_update = positive_int(max_gradients_per_update, "max_gradients_per_update")
+        self.checkpoint_every_seconds = positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
+        seed = integer(seed, "seed", 0)
         self.rule, self.store = rule, store
         self.outer_optimizer = optax.adam(3e-3) if outer_optimizer is None else outer_optimizer
         self._treedef, self._shapes = meta_params_structure(rule)

@@ -32,7 +32,8 @@ import optax
 from carlskit.cluster._supervised import MAX_KEPT_ERRORS, LongRunningTasks, stop_flag
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
-from carlskit.lopt._gradient_store import GradientStore, call, check_integer, check_positive_real
+from carlskit.lopt._checks import integer, positive_float, positive_int
+from carlskit.lopt._gradient_store import GradientStore, call
 from carlskit.lopt._learner import Learner
 from carlskit.lopt._optimizer import LearnedOptimizer
 from carlskit.lopt._tasks import Task, TaskFamily
@@ -80,9 +81,9 @@ class MetaTraining:
             raise TypeError(f"task_family must be a TaskFamily or Task, got {type(task_family).__name__}")
         for name, value in (("num_workers", num_workers), ("eval_workers", eval_workers), ("num_tasks", num_tasks),
                             ("num_steps", num_steps), ("max_gradients_per_update", max_gradients_per_update)):
-            check_integer(name, value)
-        check_integer("max_staleness", max_staleness, minimum=0)  # here, not only when start() builds the learner
-        check_positive_real("checkpoint_every_seconds", checkpoint_every_seconds)
+            positive_int(value, name)
+        integer(max_staleness, "max_staleness", 0)  # here, not only when start() builds the learner
+        positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
         self.lopt, self.family, self.client = lopt, family, client
         self.directory = pathlib.Path(directory)
         self.checkpoint_path = str(self.directory / "checkpoints")

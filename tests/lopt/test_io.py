@@ -78,8 +78,9 @@ def test_failing_save_leaves_previous_file_untouched(tmp_path, case):
     path = good.save(None, tmp_path / "p")
     before = path.read_bytes()
     rule, transform, train_horizon, info, error, message = BAD_SAVES[case]
-    bad = LearnedOptimizer(rule or good.rule, None, train_horizon, info)
-    bad.meta_params = transform(good.meta_params)  # as a caller may set it; save must still refuse
+    bad = LearnedOptimizer(rule or good.rule, None, 50, info)
+    # Attributes as a caller may set them (the constructor itself converts numpy ints): save must still refuse.
+    bad.meta_params, bad.train_horizon = transform(good.meta_params), train_horizon
     with pytest.raises(error, match=message):
         bad.save(None, tmp_path / "p")
     assert path.read_bytes() == before and sorted(os.listdir(tmp_path)) == ["p.npz"]
