@@ -114,15 +114,12 @@ _REAL_FLOATING = frozenset(np.dtype(t) for t in (np.float16, jax.numpy.bfloat16,
 def meta_params_template(rule: Any) -> PyTree:
     """Shapes and dtypes of ``rule.init_meta_params(key)`` (``jax.ShapeDtypeStruct`` leaves; cached per rule)."""
     try:
-        return _META_TEMPLATES[rule]
-    except (KeyError, TypeError):
-        pass
-    template = jax.eval_shape(rule.init_meta_params, jax.random.PRNGKey(0))
-    try:
-        _META_TEMPLATES[rule] = template
+        hash(rule)
     except TypeError:  # an unhashable custom rule: not cached
-        pass
-    return template
+        return jax.eval_shape(rule.init_meta_params, jax.random.PRNGKey(0))
+    if rule not in _META_TEMPLATES:
+        _META_TEMPLATES[rule] = jax.eval_shape(rule.init_meta_params, jax.random.PRNGKey(0))
+    return _META_TEMPLATES[rule]
 
 
 def _matches_template(template: PyTree, meta_params: PyTree) -> bool:
