@@ -133,9 +133,27 @@ def _column_from_file_name(name: str) -> str:
     return "field:" + name[len("field__"):] if name.startswith("field__") else name
 
 
+def _is_snapshot(path: Path) -> bool:
+    """Whether ``path`` is a directory holding a KnowledgeBank snapshot manifest."""
+    try:
+        with open(path / "manifest.json") as handle:
+            manifest = json.load(handle)
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == SNAPSHOT_FORMAT
+
+
 def _write_snapshot_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write into a fresh sibling directory, then rename it onto ``path`` (old one removed last)."""
+    """Write into a fresh sibling directory, then rename it onto ``path`` (old one removed last).
+
+    ``path`` must be absent, an empty directory or an earlier snapshot: anything else (a file, a
+    directory of other files) is refused with ValueError before anything is written, since the
+    rename would delete it."""
     path = Path(path)
+    if path.exists() or path.is_symlink():
+        if not path.is_dir() or (any(path.iterdir()) and not _is_snapshot(path)):
+            raise ValueError(f"path {str(path)!r} exists and is not a KnowledgeBank snapshot "
+                             f"(or an empty directory); refusing to replace it")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
     tmp.mkdir()

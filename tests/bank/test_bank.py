@@ -347,6 +347,25 @@ def test_save_overwrites_atomically(tmp_path):
     assert KnowledgeBank.load(tmp_path / "snap").stats()["tables"]["emb"]["rows"] == 3
 
 
+
+def test_save_refuses_to_replace_what_is_not_a_snapshot(tmp_path):
+    kb = make_bank()
+    kb.lookup("emb", [1], insert_missing=True)
+    folder = tmp_path / "results"
+    folder.mkdir()
+    (folder / "precious.txt").write_text("keep me")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("keep me too")
+    for path in (folder, a_file):
+        with pytest.raises(ValueError, match="not a KnowledgeBank snapshot"):
+            kb.save(path)
+    assert (folder / "precious.txt").read_text() == "keep me"
+    assert a_file.read_text() == "keep me too"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "results"]
+    (tmp_path / "empty").mkdir()
+    kb.save(tmp_path / "empty")  # an empty directory may be filled
+    assert KnowledgeBank.load(tmp_path / "empty").stats()["tables"]["emb"]["rows"] == 1
+
 BAD_CALLS = [
     ("create_table", ("emb",), {"dim": 4}, ValueError, "already exists"),
     ("create_table", ("new",), {"dim": 0}, ValueError, "dim"),
