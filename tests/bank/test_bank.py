@@ -366,6 +366,18 @@ def test_save_refuses_to_replace_what_is_not_a_snapshot(tmp_path):
     kb.save(tmp_path / "empty")  # an empty directory may be filled
     assert KnowledgeBank.load(tmp_path / "empty").stats()["tables"]["emb"]["rows"] == 1
 
+
+def test_closed_bank_raises_instead_of_reading_freed_rows(tmp_path):
+    kb = make_bank(num_shards=2)
+    kb.update("emb", [1, 2], np.ones((2, DIM)))
+    kb.close()
+    for call in (lambda: kb.lookup("emb", [1]), lambda: kb.row_metadata("emb", [1]),
+                 lambda: kb.update("emb", [1], np.ones((1, DIM))), lambda: kb.stats(),
+                 lambda: kb.save(tmp_path / "snap"), lambda: kb.ping()):
+        with pytest.raises(ValueError, match="closed"):
+            call()
+    assert not (tmp_path / "snap").exists()
+
 BAD_CALLS = [
     ("create_table", ("emb",), {"dim": 4}, ValueError, "already exists"),
     ("create_table", ("new",), {"dim": 0}, ValueError, "dim"),
