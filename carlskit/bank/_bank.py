@@ -91,9 +91,15 @@ def _as_matrix(values: Any, rows: int, width: int, name: str, dtype: Any = np.fl
                         f"got dtype {array.dtype}")
     if array.shape != (rows, width):
         raise ValueError(f"{name} must have shape [{rows}, {width}], got shape {array.shape}")
+    if target.kind in "iu" and array.size and not np.can_cast(array.dtype, target):
+        low, high = np.iinfo(target).min, np.iinfo(target).max
+        if array.min() < low or array.max() > high:  # the cast would wrap around silently
+            raise ValueError(f"{name} has values outside the range of {target} [{low}, {high}]: "
+                             f"min {array.min()}, max {array.max()}")
     array = np.ascontiguousarray(array, dtype=dtype)
     if finite and array.dtype.kind == "f" and not np.isfinite(array).all():
-        raise ValueError(f"{name} contains NaN or Inf (shape [{rows}, {width}])")
+        raise ValueError(f"{name} contains NaN or Inf, or values beyond the {target} range "
+                         f"(shape [{rows}, {width}])")
     return array
 
 
@@ -475,7 +481,8 @@ class KnowledgeBank:
     def create_feature_table(self, name: str, schema: dict[str, tuple[str, int]], *,
                              capacity: int = 1024) -> None:
         """Create a table of fixed-width records, e.g. ``{"ids": ("int64", 32), "weights":
-        ("float32", 32)}``. Absent fields read as -1 (integers), 0 (floats) or False (bool)."""
+        ("float32", 32)}``. Absent fields read as -1 (signed integers), the largest value (unsigned
+        integers), 0 (floats) or False (bool)."""
         if not isinstance(schema, dict) or not schema:
             raise ValueError("schema must be a non-empty dict {field: (dtype, width)}")
         clean = {}

@@ -26,11 +26,14 @@ def _grown(array: np.ndarray, used: int, capacity: int) -> np.ndarray:
 
 
 def _fill_value(dtype: np.dtype) -> Any:
-    """Value of an absent feature record field: -1 for integers, False for bool, 0 for floats."""
+    """Value of an absent feature record field: -1 for signed integers, the largest value (all
+    bits set, -1 wrapped) for unsigned ones, False for bool, 0 for floats."""
     dtype = np.dtype(dtype)
     if dtype == np.bool_:
         return False
-    return -1 if np.issubdtype(dtype, np.integer) else 0
+    if dtype.kind == "u":
+        return np.iinfo(dtype).max
+    return -1 if dtype.kind == "i" else 0
 
 
 def new_counters() -> dict[str, int]:

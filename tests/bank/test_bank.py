@@ -420,6 +420,33 @@ def test_bad_input_raises_and_changes_nothing(clock, bank_contents, assert_same_
     assert_same_contents(before, bank_contents(kb))
 
 
+@pytest.mark.parametrize("field,bad", [("small", [[1000, 0]]), ("small", [[0, -129]]),
+                                       ("count", [[-1]]), ("ids", np.array([[2**63]], np.uint64))])
+def test_integer_field_out_of_range_raises_instead_of_wrapping(bank_contents, assert_same_contents,
+                                                               field, bad):
+    kb = KnowledgeBank(num_shards=2)
+    kb.create_feature_table("rec", {"small": ("int8", 2), "count": ("uint16", 1),
+                                    "ids": ("int64", 1)})
+    good = {"small": [[1, 2]], "count": [[3]], "ids": [[4]]}
+    kb.update("rec", [7], good)
+    before = bank_contents(kb)
+    with pytest.raises(ValueError, match=rf"values\['{field}'\] has values outside the range"):
+        kb.update("rec", [7], {**good, field: bad})
+    assert_same_contents(before, bank_contents(kb))
+    kb.update("rec", [7], {**good, "small": np.array([[-128, 127]], np.int64)})  # edges fit
+    np.testing.assert_array_equal(kb.lookup("rec", [7])[0]["small"], [[-128, 127]])
+
+
+def test_unsigned_feature_field_absent_value_is_its_largest_value():
+    kb = KnowledgeBank(num_shards=2)
+    kb.create_feature_table("rec", {"count": ("uint16", 2), "ids": ("int32", 1)})
+    values, found = kb.lookup("rec", [5, 6], insert_missing=True)  # raised OverflowError mid-insert
+    assert not found.any() and kb.stats()["tables"]["rec"]["rows"] == 2
+    np.testing.assert_array_equal(values["count"], np.full((2, 2), 65535))
+    np.testing.assert_array_equal(values["ids"], np.full((2, 1), -1))
+    np.testing.assert_array_equal(kb.lookup("rec", [8])[0]["count"], [[65535, 65535]])
+
+
 def test_async_calls_in_process_are_computed_at_once():
     kb = KnowledgeBank(num_shards=3)
     kb.create_table("emb", dim=4, learning_rate=1.0)
