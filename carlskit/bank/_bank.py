@@ -64,9 +64,14 @@ def _as_keys(keys: Any, name: str = "keys") -> np.ndarray:
     if array.ndim != 1:
         raise ValueError(f"{name} must have shape [n], got shape {array.shape}")
     if array.dtype.kind in "UO" and len(array):
-        if not all(isinstance(item, str) for item in array.tolist()):
-            raise TypeError(f"{name} must be int64 ids or strings, got objects")
-        return key_from_string(array.tolist())
+        # numpy turns [1, "a"] into the strings ["1", "a"]: check the items as given
+        items = keys.tolist() if isinstance(keys, np.ndarray) and keys.dtype.kind == "U" else (
+            np.asarray(keys, dtype=object).tolist())
+        wrong = next((item for item in items if not isinstance(item, str)), None)
+        if wrong is not None:
+            raise TypeError(f"{name} must be all int64 ids or all strings, got "
+                            f"{type(wrong).__name__} {wrong!r} among strings")
+        return key_from_string(items)
     if len(array) == 0 and array.dtype.kind not in "iu":
         array = array.astype(np.int64)
     if array.dtype.kind not in "iu":
