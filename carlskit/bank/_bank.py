@@ -135,6 +135,57 @@ def _choice(value: Any, name: str, allowed: Sequence[str]) -> str:
     return value
 
 
+def _embedding_table_config(dim: int, initializer: str = "normal", seed: int = 0, *,
+                            init_scale: float | None = None, optimizer: str = "sgd",
+                            learning_rate: float = 0.1, initial_accumulator_value: float = 0.1,
+                            epsilon: float = 1e-7, max_pending: int = 16,
+                            pending_ttl_seconds: float = 60.0, outlier_threshold: float = 3.0,
+                            index: str = "flat", index_metric: str = "dot", hnsw_m: int = 32,
+                            hnsw_ef_search: int = 64) -> dict[str, Any]:
+    """The checked configuration of an embedding table (``create_table`` and snapshot loading)."""
+    dim = _as_int(dim, "dim", minimum=1)
+    return {
+        "kind": "embedding", "dim": dim,
+        "initializer": _choice(initializer, "initializer", INITIALIZERS),
+        "seed": _as_int(seed, "seed"),
+        "init_scale": (1.0 / math.sqrt(dim) if init_scale is None
+                       else _as_float(init_scale, "init_scale")),
+        "optimizer": _choice(optimizer, "optimizer", OPTIMIZERS),
+        "learning_rate": _as_float(learning_rate, "learning_rate", positive=True),
+        "initial_accumulator_value": _as_float(initial_accumulator_value,
+                                               "initial_accumulator_value"),
+        "epsilon": _as_float(epsilon, "epsilon", positive=True),
+        "max_pending": _as_int(max_pending, "max_pending", minimum=1),
+        "pending_ttl_seconds": _as_float(pending_ttl_seconds, "pending_ttl_seconds",
+                                         allow_inf=True),
+        "outlier_threshold": _as_float(outlier_threshold, "outlier_threshold", positive=True),
+        "index": _choice(index, "index", INDEXES),
+        "index_metric": _choice(index_metric, "index_metric", METRICS),
+        "hnsw_m": _as_int(hnsw_m, "hnsw_m", minimum=2),
+        "hnsw_ef_search": _as_int(hnsw_ef_search, "hnsw_ef_search", minimum=1),
+    }
+
+
+def _feature_table_config(schema: Any) -> dict[str, Any]:
+    """The checked configuration of a feature table (``create_feature_table``, snapshot loading)."""
+    if not isinstance(schema, dict) or not schema:
+        raise ValueError("schema must be a non-empty dict {field: (dtype, width)}")
+    clean = {}
+    for field, spec in schema.items():
+        if not isinstance(field, str) or not field:
+            raise ValueError(f"schema field names must be non-empty str, got {field!r}")
+        if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+            raise ValueError(f"schema[{field!r}] must be (dtype, width), got {spec!r}")
+        try:
+            dtype = np.dtype(spec[0])
+        except TypeError as error:
+            raise ValueError(f"schema[{field!r}] has an unknown dtype {spec[0]!r}") from error
+        if dtype.kind not in "iufb":
+            raise ValueError(f"schema[{field!r}] dtype must be numeric or bool, got {dtype}")
+        clean[field] = [dtype.name, _as_int(spec[1], f"schema[{field!r}] width", minimum=1)]
+    return {"kind": "feature", "schema": clean}
+
+
 def _column_file_name(column: str) -> str:
     """npz member name of a column: feature field ``field:ids`` is stored as ``field__ids``."""
     return "field__" + column[len("field:"):] if column.startswith("field:") else column
@@ -152,6 +203,117 @@ def _is_snapshot(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(manifest, dict) and manifest.get("format") == SNAPSHOT_FORMAT
+
+
+def _snapshot_columns(config: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+    """Row columns a snapshot file of a table with ``config`` holds: {column: (dtype, row shape)}."""
+    columns = {"keys": (np.dtype(np.int64), ()), "version": (np.dtype(np.int64), ()),
+               "last_write_time": (np.dtype(np.float64), ()),
+               "lookup_count": (np.dtype(np.int64), ())}
+    if config["kind"] == "embedding":
+        columns["values"] = (np.dtype(np.float32), (config["dim"],))
+        columns["norms"] = (np.dtype(np.float32), ())
+        if config["optimizer"] == "adagrad":
+            columns["accumulator"] = (np.dtype(np.float32), (config["dim"],))
+    else:
+        for field, (dtype, width) in config["schema"].items():
+            columns["field:" + field] = (np.dtype(dtype), (width,))
+    return columns
+
+
+def _read_snapshot_table(path: Path, entry: Any, number: int) -> tuple[str, dict, dict, dict]:
+    """(name, checked config, arrays, counters) of manifest ``tables[number]``; ValueError
+    naming the file and the problem when anything is missing, malformed or inconsistent."""
+    where = f"snapshot {str(path)!r} table {number}"
+    if not isinstance(entry, dict) or not {"name", "config", "file"} <= set(entry):
+        raise ValueError(f"{where}: manifest entry must be a dict with name, config and file")
+    name, file_name, config = entry["name"], entry["file"], entry["config"]
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{where}: table name must be a non-empty str, got {name!r}")
+    where = f"snapshot {str(path)!r} table {name!r}"
+    if not isinstance(file_name, str) or Path(file_name).name != file_name:
+        raise ValueError(f"{where}: file must be a plain file name, got {file_name!r}")
+    try:
+        if not isinstance(config, dict) or config.get("kind") not in ("embedding", "feature"):
+            raise ValueError("kind must be 'embedding' or 'feature'")
+        options = {k: v for k, v in config.items() if k != "kind"}
+        config = (_embedding_table_config(**options) if config["kind"] == "embedding"
+                  else _feature_table_config(**options))
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"{where}: bad table config ({error})") from error
+    counters = entry.get("counters", {})
+    if not isinstance(counters, dict) or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
+            for k, v in counters.items()):
+        raise ValueError(f"{where}: counters must be a dict of non-negative ints")
+    try:
+        with np.load(path / file_name, allow_pickle=False) as data:
+            arrays = {_column_from_file_name(column): data[column] for column in data.files}
+    except FileNotFoundError as error:
+        raise ValueError(f"{where}: file {file_name!r} is missing") from error
+    except Exception as error:  # zipfile.BadZipFile, EOFError, ValueError (object arrays), ...
+        raise ValueError(f"{where}: file {file_name!r} is not a readable npz archive "
+                         f"({type(error).__name__}: {error})") from error
+    expected = _snapshot_columns(config)
+    pending = {"pending_keys": (np.dtype(np.int64), ()),
+               "pending_gradients": (np.dtype(np.float32), (config.get("dim", 0),)),
+               "pending_times": (np.dtype(np.float64), ())}
+    if config["kind"] == "embedding" and set(pending) & set(arrays):
+        expected.update(pending)
+    if set(arrays) != set(expected):
+        raise ValueError(f"{where}: file {file_name!r} holds columns {sorted(arrays)}, "
+                         f"expected {sorted(expected)}")
+    rows = len(arrays["keys"]) if arrays["keys"].ndim == 1 else -1
+    for column, (dtype, row_shape) in expected.items():
+        length = len(arrays["pending_keys"]) if column.startswith("pending_") else rows
+        array = arrays[column]
+        if array.dtype != dtype or array.shape != (length,) + row_shape:
+            raise ValueError(f"{where}: column {column!r} must be {dtype} of shape "
+                             f"{[length, *row_shape]}, got {array.dtype} {list(array.shape)}")
+    if "rows" in entry and entry["rows"] != rows:
+        raise ValueError(f"{where}: manifest says {entry['rows']} rows, file holds {rows}")
+    keys = arrays["keys"]
+    if (keys == -1).any() or len(np.unique(keys)) != len(keys):
+        raise ValueError(f"{where}: keys must be distinct and not -1")
+    for column in ("values", "norms", "accumulator"):
+        if column in arrays and not np.isfinite(arrays[column]).all():
+            raise ValueError(f"{where}: column {column!r} contains NaN or Inf")
+    if "pending_keys" in arrays and not np.isin(arrays["pending_keys"], keys).all():
+        raise ValueError(f"{where}: pending_keys holds keys that have no row")
+    return name, config, arrays, counters
+
+
+def _read_snapshot(path: Path) -> tuple[int, list[tuple[str, dict, dict, dict]]]:
+    """(saved shard count, [(name, config, arrays, counters)]) of a snapshot directory, every part
+    checked before anything is built; ValueError naming the file and the problem otherwise."""
+    manifest_path = path / "manifest.json"
+    if not manifest_path.is_file():
+        raise FileNotFoundError(f"no KnowledgeBank snapshot at {str(path)!r} "
+                                f"(missing {manifest_path.name})")
+    try:
+        with open(manifest_path) as handle:
+            manifest = json.load(handle)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise ValueError(f"snapshot manifest {str(manifest_path)!r} is not valid JSON "
+                         f"({error})") from error
+    if not isinstance(manifest, dict) or manifest.get("format") != SNAPSHOT_FORMAT:
+        raise ValueError(f"path {str(path)!r} is not a KnowledgeBank snapshot (manifest format "
+                         f"is not {SNAPSHOT_FORMAT!r})")
+    if manifest.get("version") != SNAPSHOT_VERSION:
+        raise ValueError(f"snapshot {str(path)!r} has format version {manifest.get('version')!r}; "
+                         f"this carlskit reads version {SNAPSHOT_VERSION}")
+    tables = manifest.get("tables")
+    if not isinstance(tables, list):
+        raise ValueError(f"snapshot {str(path)!r}: manifest 'tables' must be a list")
+    try:
+        num_shards = _as_int(manifest.get("num_shards"), "num_shards", minimum=1)
+    except (TypeError, ValueError) as error:
+        raise ValueError(f"snapshot {str(path)!r}: manifest {error}") from error
+    read = [_read_snapshot_table(path, entry, number) for number, entry in enumerate(tables)]
+    names = [name for name, *_ in read]
+    if len(set(names)) != len(names):
+        raise ValueError(f"snapshot {str(path)!r}: table names repeat: {names}")
+    return num_shards, read
 
 
 def _write_snapshot_atomically(path: Path, write: Callable[[Path], None]) -> None:
@@ -339,6 +501,7 @@ class KnowledgeBank:
     def _submit(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
         """Issue one call per shard in ``calls`` ({shard: args}) without waiting. Distributed: the
         Dask actor futures ({shard: future}); in-process: the results, computed at once."""
+        self._require_open()
         if not self._remote:
             return {i: getattr(self._shards[i], method)(*args) for i, args in calls.items()}
         futures = {}
@@ -415,7 +578,12 @@ class KnowledgeBank:
         return [(s, order[bounds[s]:bounds[s + 1]]) for s in range(self.num_shards)
                 if bounds[s + 1] > bounds[s]]
 
+    def _require_open(self) -> None:
+        if not self._shards:
+            raise ValueError("this KnowledgeBank is closed; load() a snapshot or create a new one")
+
     def _config(self, table: Any) -> dict[str, Any]:
+        self._require_open()
         if not isinstance(table, str):
             raise TypeError(f"table must be a table name (str), got {type(table).__name__}")
         if table not in self._configs:
@@ -460,27 +628,12 @@ class KnowledgeBank:
             kept current incrementally; exact search stays available with ``exact=True``).
           capacity: expected rows (preallocation hint only).
         """
-        dim = _as_int(dim, "dim", minimum=1)
-        config = {
-            "kind": "embedding", "dim": dim,
-            "initializer": _choice(initializer, "initializer", INITIALIZERS),
-            "seed": _as_int(seed, "seed"),
-            "init_scale": (1.0 / math.sqrt(dim) if init_scale is None
-                           else _as_float(init_scale, "init_scale")),
-            "optimizer": _choice(optimizer, "optimizer", OPTIMIZERS),
-            "learning_rate": _as_float(learning_rate, "learning_rate", positive=True),
-            "initial_accumulator_value": _as_float(initial_accumulator_value,
-                                                   "initial_accumulator_value"),
-            "epsilon": _as_float(epsilon, "epsilon", positive=True),
-            "max_pending": _as_int(max_pending, "max_pending", minimum=1),
-            "pending_ttl_seconds": _as_float(pending_ttl_seconds, "pending_ttl_seconds",
-                                             allow_inf=True),
-            "outlier_threshold": _as_float(outlier_threshold, "outlier_threshold", positive=True),
-            "index": _choice(index, "index", INDEXES),
-            "index_metric": _choice(index_metric, "index_metric", METRICS),
-            "hnsw_m": _as_int(hnsw_m, "hnsw_m", minimum=2),
-            "hnsw_ef_search": _as_int(hnsw_ef_search, "hnsw_ef_search", minimum=1),
-        }
+        config = _embedding_table_config(
+            dim, initializer, seed, init_scale=init_scale, optimizer=optimizer,
+            learning_rate=learning_rate, initial_accumulator_value=initial_accumulator_value,
+            epsilon=epsilon, max_pending=max_pending, pending_ttl_seconds=pending_ttl_seconds,
+            outlier_threshold=outlier_threshold, index=index, index_metric=index_metric,
+            hnsw_m=hnsw_m, hnsw_ef_search=hnsw_ef_search)
         self._create(name, config, _as_int(capacity, "capacity", minimum=1))
 
     def create_feature_table(self, name: str, schema: dict[str, tuple[str, int]], *,
@@ -488,23 +641,7 @@ class KnowledgeBank:
         """Create a table of fixed-width records, e.g. ``{"ids": ("int64", 32), "weights":
         ("float32", 32)}``. Absent fields read as -1 (signed integers), the largest value (unsigned
         integers), 0 (floats) or False (bool)."""
-        if not isinstance(schema, dict) or not schema:
-            raise ValueError("schema must be a non-empty dict {field: (dtype, width)}")
-        clean = {}
-        for field, spec in schema.items():
-            if not isinstance(field, str) or not field:
-                raise ValueError(f"schema field names must be non-empty str, got {field!r}")
-            if not isinstance(spec, (tuple, list)) or len(spec) != 2:
-                raise ValueError(f"schema[{field!r}] must be (dtype, width), got {spec!r}")
-            try:
-                dtype = np.dtype(spec[0])
-            except TypeError as error:
-                raise ValueError(f"schema[{field!r}] has an unknown dtype {spec[0]!r}") from error
-            if dtype.kind not in "iufb":
-                raise ValueError(f"schema[{field!r}] dtype must be numeric or bool, got {dtype}")
-            clean[field] = [dtype.name, _as_int(spec[1], f"schema[{field!r}] width", minimum=1)]
-        self._create(name, {"kind": "feature", "schema": clean},
-                     _as_int(capacity, "capacity", minimum=1))
+        self._create(name, _feature_table_config(schema), _as_int(capacity, "capacity", minimum=1))
 
     @property
     def tables(self) -> dict[str, dict[str, Any]]:
@@ -734,19 +871,13 @@ class KnowledgeBank:
         """Restore a snapshot into ``num_shards`` shards (default: as saved), in-process or on
         ``client``'s workers: values, versions, write times, lookup counts, optimizer state and
         pending gradients exactly as saved."""
-        path = Path(path)
-        with open(path / "manifest.json") as handle:
-            manifest = json.load(handle)
-        if manifest.get("format") != SNAPSHOT_FORMAT:
-            raise ValueError(f"path {path} is not a KnowledgeBank snapshot")
-        bank = cls(client, manifest["num_shards"] if num_shards is None else num_shards,
-                   clock=clock)
-        for entry in manifest["tables"]:
-            config = entry["config"]
-            with np.load(path / entry["file"], allow_pickle=False) as data:
-                arrays = {_column_from_file_name(name): data[name] for name in data.files}
-            bank._create(entry["name"], config, max(1024, entry["rows"]))
-            routes = bank._route(arrays["keys"])
+        saved_shards, tables = _read_snapshot(Path(path))
+        if num_shards is not None:
+            num_shards = _as_int(num_shards, "num_shards", minimum=1)
+        bank = cls(client, saved_shards if num_shards is None else num_shards, clock=clock)
+        for name, config, arrays, counters in tables:
+            bank._create(name, config, max(1024, len(arrays["keys"])))
+            routes = bank._route(arrays["keys"]) or [(0, None)]  # no rows: counters still go
             pending_routes = dict(bank._route(arrays["pending_keys"])) if "pending_keys" in arrays else {}
             payload = {}
             for s, pos in routes:
@@ -757,9 +888,8 @@ class KnowledgeBank:
                     ppos = pending_routes.get(s)
                     for c in ("pending_keys", "pending_gradients", "pending_times"):
                         part[c] = arrays[c] if ppos is None else arrays[c][ppos]
-                payload[s] = (entry["name"], part, entry["counters"] if s == routes[0][0] else None)
-            if payload:
-                bank._call("import_table", payload)
+                payload[s] = (name, part, counters if s == routes[0][0] else None)
+            bank._call("import_table", payload)
         return bank
 
     # ------------------------------------------------------------------ sharing and lifetime

@@ -1,5 +1,7 @@
 """KnowledgeBank in-process: every operation, the lazy rule end to end, nearest, snapshots, errors."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -467,3 +469,79 @@ def test_async_calls_in_process_are_computed_at_once():
     assert found.all()
     empty_values, empty_found = kb.lookup("emb", np.empty(0, np.int64))
     assert empty_values.shape == (0, 4) and empty_found.shape == (0,)
+
+
+def _edit_manifest(change):
+    def edit(snapshot):
+        manifest = json.loads((snapshot / "manifest.json").read_text())
+        change(manifest)
+        (snapshot / "manifest.json").write_text(json.dumps(manifest))
+    return edit
+
+
+def _edit_table_file(change):
+    def edit(snapshot):
+        with np.load(snapshot / "table_000.npz") as data:
+            arrays = dict(data)
+        change(arrays)
+        np.savez(snapshot / "table_000.npz", **arrays)
+    return edit
+
+
+def _write(name, content):
+    return lambda snapshot: (snapshot / name).write_bytes(content)
+
+
+CORRUPTIONS = {
+    "manifest not json": (_write("manifest.json", b"{bad"), "not valid JSON"),
+    "manifest a list": (_write("manifest.json", b"[1, 2]"), "not a KnowledgeBank snapshot"),
+    "newer version": (_edit_manifest(lambda m: m.update(version=99)), "format version 99"),
+    "no num_shards": (_edit_manifest(lambda m: m.pop("num_shards")), "num_shards"),
+    "truncated npz": (lambda s: (s / "table_000.npz").write_bytes(
+        (s / "table_000.npz").read_bytes()[:200]), "table 'emb'.*not a readable npz"),
+    "missing npz": (lambda s: (s / "table_000.npz").unlink(), "'table_000.npz' is missing"),
+    "file outside": (_edit_manifest(lambda m: m["tables"][0].update(file="../x.npz")), "plain file"),
+    "unknown optimizer": (_edit_manifest(lambda m: m["tables"][0]["config"].update(optimizer="adam")),
+                          "bad table config.*optimizer"),
+    "no dim": (_edit_manifest(lambda m: m["tables"][0]["config"].pop("dim")), "bad table config"),
+    "dim differs": (_edit_manifest(lambda m: m["tables"][0]["config"].update(dim=DIM + 1)),
+                    "column 'values' must be float32 of shape"),
+    "repeated table": (_edit_manifest(lambda m: m["tables"].append(m["tables"][0])), "repeat"),
+    "duplicate keys": (_edit_table_file(lambda a: a["keys"].__setitem__(slice(None), 5)), "distinct"),
+    "missing column": (_edit_table_file(lambda a: a.pop("version")), "columns"),
+    "wrong dtype": (_edit_table_file(lambda a: a.update(version=a["version"].astype(np.float64))),
+                    "column 'version' must be int64"),
+    "nan value": (_edit_table_file(lambda a: a["values"].__setitem__((0, 0), np.nan)), "NaN"),
+    "orphan pending": (_edit_table_file(lambda a: a["pending_keys"].__setitem__(0, 10**9)),
+                       "pending_keys"),
+}
+
+
+@pytest.mark.parametrize("corruption", list(CORRUPTIONS))
+def test_load_rejects_corrupt_snapshot_naming_the_problem(tmp_path, corruption):
+    kb = make_bank(num_shards=2)
+    kb.lookup("emb", np.arange(1, 20), insert_missing=True)
+    kb.apply_gradients("emb", [1, 2], np.ones((2, DIM)))
+    kb.save(tmp_path / "snap")
+    edit, match = CORRUPTIONS[corruption]
+    edit(tmp_path / "snap")
+    with pytest.raises(ValueError, match=match):
+        KnowledgeBank.load(tmp_path / "snap")
+
+
+def test_load_missing_snapshot_and_bad_shard_count(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no KnowledgeBank snapshot"):
+        KnowledgeBank.load(tmp_path / "nowhere")
+    make_bank().save(tmp_path / "snap")
+    with pytest.raises(ValueError, match="num_shards"):
+        KnowledgeBank.load(tmp_path / "snap", num_shards=0)
+
+
+def test_save_load_keeps_counters_of_an_empty_table_on_several_shards(tmp_path):
+    kb = make_bank(num_shards=3)
+    kb.lookup("emb", [1, 2])  # absent: counts shard calls, inserts nothing
+    kb.save(tmp_path / "snap")
+    restored = KnowledgeBank.load(tmp_path / "snap")
+    assert restored.stats()["tables"]["emb"]["rows"] == 0
+    assert (restored.stats()["tables"]["emb"]["lookup_shard_calls"]
+            == kb.stats()["tables"]["emb"]["lookup_shard_calls"] > 0)
