@@ -177,6 +177,8 @@ def _feature_table_config(schema: Any) -> dict[str, Any]:
         if not isinstance(spec, (tuple, list)) or len(spec) != 2:
             raise ValueError(f"schema[{field!r}] must be (dtype, width), got {spec!r}")
         try:
+            if spec[0] is None:  # np.dtype(None) is float64
+                raise TypeError("no dtype")
             dtype = np.dtype(spec[0])
         except TypeError as error:
             raise ValueError(f"schema[{field!r}] has an unknown dtype {spec[0]!r}") from error
@@ -446,6 +448,8 @@ class KnowledgeBank:
         num_shards = _as_int(num_shards, "num_shards", minimum=1)
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
         self._client = client
         self._remote = client is not None
         self._direct: DirectPath | None = None
@@ -600,8 +604,10 @@ class KnowledgeBank:
 
     # ------------------------------------------------------------------ tables
     def _create(self, name: str, config: dict[str, Any], capacity: int = 1024) -> None:
-        if not isinstance(name, str) or not name:
-            raise ValueError(f"name must be a non-empty str, got {name!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"name must be a non-empty str, got {type(name).__name__}")
+        if not name:
+            raise ValueError("name must be a non-empty str, got ''")
         if name in self._configs or name in self._call("table_configs", {0: ()})[0]:
             raise ValueError(f"table {name!r} already exists")
         per_shard = max(16, -(-capacity // self.num_shards))
@@ -672,6 +678,8 @@ class KnowledgeBank:
         """Validate, route and send a lookup: (pending shard calls, merge of their results)."""
         config = self._config(table)
         keys = _as_keys(keys)
+        if not isinstance(insert_missing, (bool, np.bool_)):
+            raise TypeError(f"insert_missing must be a bool, got {type(insert_missing).__name__}")
         routes = self._route(keys)
         whole = _detached(keys, detach and self._remote)
         pending = self._submit("lookup", {s: (table, whole if pos is None else keys[pos],
@@ -759,6 +767,8 @@ class KnowledgeBank:
             if exclude.ndim != 2 or exclude.shape[0] != len(queries) or exclude.dtype.kind not in "iu":
                 raise ValueError(f"exclude must be int keys of shape [{len(queries)}] or "
                                  f"[{len(queries)}, m], got {exclude.dtype} {exclude.shape}")
+            if exclude.dtype == np.uint64 and exclude.size and exclude.max() > np.iinfo(np.int64).max:
+                raise ValueError("exclude must fit in int64")
             exclude = exclude.astype(np.int64)
         results = self._call_all("nearest", table, queries, k, metric, exclude, exact)
         if len(results) == 1:

@@ -369,6 +369,11 @@ def test_save_refuses_to_replace_what_is_not_a_snapshot(tmp_path):
     assert KnowledgeBank.load(tmp_path / "empty").stats()["tables"]["emb"]["rows"] == 1
 
 
+def test_bank_rejects_a_clock_that_is_not_callable():
+    with pytest.raises(TypeError, match="clock"):
+        KnowledgeBank(clock="now")
+
+
 def test_closed_bank_raises_instead_of_reading_freed_rows(tmp_path):
     kb = make_bank(num_shards=2)
     kb.update("emb", [1, 2], np.ones((2, DIM)))
@@ -391,6 +396,12 @@ BAD_CALLS = [
     ("lookup", ("emb", [1, "a"]), {}, TypeError, "int 1 among strings"),
     ("update", ("emb", ["a", 2.5], np.ones((2, DIM))), {}, TypeError, "float 2.5 among strings"),
     ("lookup", ("emb", [True]), {}, TypeError, "bool"),
+    ("lookup", ("emb", [1, 2]), {"insert_missing": "no"}, TypeError, "insert_missing"),
+    ("lookup_async", ("emb", [1, 2]), {"insert_missing": 1}, TypeError, "insert_missing"),
+    ("create_table", (5,), {"dim": 4}, TypeError, "name"),
+    ("create_feature_table", ("new", {"a": (None, 2)}), {}, ValueError, "unknown dtype"),
+    ("nearest", ("emb", np.ones((1, DIM))), {"exclude": np.array([2**64 - 1], np.uint64)},
+     ValueError, "exclude"),
     ("update", ("emb", [1, 2], np.ones((2, DIM + 1))), {}, ValueError, rf"\[2, {DIM}\]"),
     ("update", ("emb", [1, 2], np.ones((3, DIM))), {}, ValueError, rf"\[2, {DIM}\]"),
     ("update", ("emb", [1, 2], np.ones(2 * DIM)), {}, ValueError, rf"\[2, {DIM}\]"),
