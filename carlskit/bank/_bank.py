@@ -208,7 +208,7 @@ def _is_snapshot(path: Path) -> bool:
 
 
 def _snapshot_columns(config: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Row columns a snapshot file of a table with ``config`` holds: {column: (dtype, row shape)}."""
+    """Row columns of a table's snapshot file: {column: (dtype, shape of one row)}."""
     columns = {"keys": (np.dtype(np.int64), ()), "version": (np.dtype(np.int64), ()),
                "last_write_time": (np.dtype(np.float64), ()),
                "lookup_count": (np.dtype(np.int64), ())}
@@ -449,7 +449,8 @@ class KnowledgeBank:
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
         if clock is not None and not callable(clock):
-            raise TypeError(f"clock must be a callable returning seconds, got {type(clock).__name__}")
+            raise TypeError(f"clock must be a callable returning seconds, "
+                            f"got {type(clock).__name__}")
         self._client = client
         self._remote = client is not None
         self._direct: DirectPath | None = None
@@ -767,7 +768,8 @@ class KnowledgeBank:
             if exclude.ndim != 2 or exclude.shape[0] != len(queries) or exclude.dtype.kind not in "iu":
                 raise ValueError(f"exclude must be int keys of shape [{len(queries)}] or "
                                  f"[{len(queries)}, m], got {exclude.dtype} {exclude.shape}")
-            if exclude.dtype == np.uint64 and exclude.size and exclude.max() > np.iinfo(np.int64).max:
+            if (exclude.dtype == np.uint64 and exclude.size
+                    and exclude.max() > np.iinfo(np.int64).max):
                 raise ValueError("exclude must fit in int64")
             exclude = exclude.astype(np.int64)
         results = self._call_all("nearest", table, queries, k, metric, exclude, exact)
@@ -885,21 +887,25 @@ class KnowledgeBank:
         if num_shards is not None:
             num_shards = _as_int(num_shards, "num_shards", minimum=1)
         bank = cls(client, saved_shards if num_shards is None else num_shards, clock=clock)
-        for name, config, arrays, counters in tables:
-            bank._create(name, config, max(1024, len(arrays["keys"])))
-            routes = bank._route(arrays["keys"]) or [(0, None)]  # no rows: counters still go
-            pending_routes = dict(bank._route(arrays["pending_keys"])) if "pending_keys" in arrays else {}
-            payload = {}
-            for s, pos in routes:
-                part = {c: a for c, a in arrays.items() if not c.startswith("pending_")}
-                if pos is not None:
-                    part = {c: a[pos] for c, a in part.items()}
-                if "pending_keys" in arrays and (pending_routes.get(s) is not None or bank.num_shards == 1):
-                    ppos = pending_routes.get(s)
-                    for c in ("pending_keys", "pending_gradients", "pending_times"):
-                        part[c] = arrays[c] if ppos is None else arrays[c][ppos]
-                payload[s] = (name, part, counters if s == routes[0][0] else None)
-            bank._call("import_table", payload)
+        try:
+            for name, config, arrays, counters in tables:
+                bank._create(name, config, max(1024, len(arrays["keys"])))
+                routes = bank._route(arrays["keys"]) or [(0, None)]  # no rows: counters still go
+                pending_routes = (dict(bank._route(arrays["pending_keys"]))
+                                  if "pending_keys" in arrays else {})  # {shard: positions}
+                payload = {}
+                for s, pos in routes:
+                    part = {c: a if pos is None else a[pos] for c, a in arrays.items()
+                            if not c.startswith("pending_")}
+                    if s in pending_routes:
+                        where = pending_routes[s]
+                        part.update({c: a if where is None else a[where] for c, a in arrays.items()
+                                     if c.startswith("pending_")})
+                    payload[s] = (name, part, counters if s == routes[0][0] else None)
+                bank._call("import_table", payload)
+        except BaseException:
+            bank.close()  # release the shards (Dask actors) of the half-built bank
+            raise
         return bank
 
     # ------------------------------------------------------------------ sharing and lifetime
