@@ -58,9 +58,18 @@ class ShardLostError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------- validation helpers
+def _to_array(value: Any, name: str, shape: str) -> np.ndarray:
+    """``np.asarray(value)``, with numpy's error for ragged nested sequences naming ``name``."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"{name} must be an array of shape {shape}, got a ragged or "
+                         f"unconvertible {type(value).__name__} ({error})") from error
+
+
 def _as_keys(keys: Any, name: str = "keys") -> np.ndarray:
     """int64 [n] keys; strings are mapped with :func:`key_from_string`; -1 is rejected."""
-    array = np.asarray(keys)
+    array = _to_array(keys, name, "[n]")
     if array.ndim != 1:
         raise ValueError(f"{name} must have shape [n], got shape {array.shape}")
     if array.dtype.kind in "UO" and len(array):
@@ -87,7 +96,7 @@ def _as_keys(keys: Any, name: str = "keys") -> np.ndarray:
 def _as_matrix(values: Any, rows: int, width: int, name: str, dtype: Any = np.float32,
                finite: bool = True) -> np.ndarray:
     """A [rows, width] array of ``dtype``; rejects wrong rank/shape, bool/object data, NaN/Inf."""
-    array = np.asarray(values)
+    array = _to_array(values, name, f"[{rows}, {width}]")
     target = np.dtype(dtype)
     accepted = {"f": "iuf", "i": "iu", "u": "iu", "b": "b"}[target.kind]
     if array.dtype.kind not in accepted:
@@ -753,7 +762,7 @@ class KnowledgeBank:
         shards run in parallel.
         """
         config = self._embedding_config(table, "nearest")
-        queries = np.asarray(queries)
+        queries = _to_array(queries, "queries", f"[nq, {config['dim']}]")
         if queries.ndim != 2:
             raise ValueError(f"queries must have shape [nq, {config['dim']}], got {queries.shape}")
         queries = _as_matrix(queries, queries.shape[0], config["dim"], "queries")
@@ -762,7 +771,7 @@ class KnowledgeBank:
         if exact not in (None, True, False):
             raise TypeError("exact must be None, True or False")
         if exclude is not None:
-            exclude = np.asarray(exclude)
+            exclude = _to_array(exclude, "exclude", "[nq] or [nq, m]")
             if exclude.ndim == 1:
                 exclude = exclude[:, None]
             if exclude.ndim != 2 or exclude.shape[0] != len(queries) or exclude.dtype.kind not in "iu":
