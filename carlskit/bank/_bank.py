@@ -860,7 +860,9 @@ class KnowledgeBank:
     def save(self, path: str | os.PathLike) -> None:
         """Write a snapshot directory: ``manifest.json`` plus one ``table_NNN.npz`` per table
         (values, versions, write times, lookup counts, optimizer state, pending gradients),
-        no pickle; written to a temporary sibling then renamed onto ``path``."""
+        no pickle; written to a temporary sibling then renamed onto ``path``. ``path`` must be
+        absent, an empty directory or an earlier snapshot (anything else: ValueError, nothing
+        written)."""
         exports = self._call_all("export_tables")
         configs = self.tables
         manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION,
@@ -891,7 +893,9 @@ class KnowledgeBank:
              clock: Callable[[], float] | None = None) -> "KnowledgeBank":
         """Restore a snapshot into ``num_shards`` shards (default: as saved), in-process or on
         ``client``'s workers: values, versions, write times, lookup counts, optimizer state and
-        pending gradients exactly as saved."""
+        pending gradients exactly as saved. The whole snapshot is checked first: a missing,
+        truncated or inconsistent file raises ValueError naming it (FileNotFoundError when there
+        is no manifest) and no bank is built."""
         saved_shards, tables = _read_snapshot(Path(path))
         if num_shards is not None:
             num_shards = _as_int(num_shards, "num_shards", minimum=1)
