@@ -216,6 +216,17 @@ def _is_snapshot(path: Path) -> bool:
     return isinstance(manifest, dict) and manifest.get("format") == SNAPSHOT_FORMAT
 
 
+def _config_to_json(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with infinite floats (e.g. ``pending_ttl_seconds=inf``) as the strings "inf" /
+    "-inf": strict JSON has no Infinity."""
+    return {key: (("inf" if value > 0 else "-inf") if isinstance(value, float) and math.isinf(value)
+                  else value) for key, value in config.items()}
+
+
+def _config_from_json(value: Any) -> Any:
+    return float(value) if value in ("inf", "-inf") else value
+
+
 def _snapshot_columns(config: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
     """Row columns of a table's snapshot file: {column: (dtype, shape of one row)}."""
     columns = {"keys": (np.dtype(np.int64), ()), "version": (np.dtype(np.int64), ()),
@@ -247,7 +258,7 @@ def _read_snapshot_table(path: Path, entry: Any, number: int) -> tuple[str, dict
     try:
         if not isinstance(config, dict) or config.get("kind") not in ("embedding", "feature"):
             raise ValueError("kind must be 'embedding' or 'feature'")
-        options = {k: v for k, v in config.items() if k != "kind"}
+        options = {k: _config_from_json(v) for k, v in config.items() if k != "kind"}
         config = (_embedding_table_config(**options) if config["kind"] == "embedding"
                   else _feature_table_config(**options))
     except (TypeError, ValueError) as error:
@@ -881,10 +892,10 @@ class KnowledgeBank:
                 file_name = f"table_{number:03d}.npz"
                 np.savez(directory / file_name,
                          **{_column_file_name(c): a for c, a in arrays.items()})
-                manifest["tables"].append({"name": name, "config": config, "file": file_name,
+                manifest["tables"].append({"name": name, "config": _config_to_json(config), "file": file_name,
                                            "rows": int(len(arrays["keys"])), "counters": counters})
             with open(directory / "manifest.json", "w") as handle:
-                json.dump(manifest, handle, indent=1)
+                json.dump(manifest, handle, indent=1, allow_nan=False)  # strict JSON
 
         _write_snapshot_atomically(Path(path), write)
 

@@ -559,3 +559,14 @@ def test_save_load_keeps_counters_of_an_empty_table_on_several_shards(tmp_path):
     assert restored.stats()["tables"]["emb"]["rows"] == 0
     assert (restored.stats()["tables"]["emb"]["lookup_shard_calls"]
             == kb.stats()["tables"]["emb"]["lookup_shard_calls"] > 0)
+
+
+def test_snapshot_manifest_is_strict_json_with_an_infinite_ttl(tmp_path):
+    kb = make_bank(pending_ttl_seconds=float("inf"))
+    kb.apply_gradients("emb", [1], np.ones((1, DIM)))
+    kb.save(tmp_path / "snap")
+    json.loads((tmp_path / "snap" / "manifest.json").read_text(),
+               parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    restored = KnowledgeBank.load(tmp_path / "snap")
+    assert restored.tables["emb"]["pending_ttl_seconds"] == float("inf")
+    assert restored.stats()["tables"]["emb"]["pending_gradients"] == 1
