@@ -23,6 +23,7 @@ against the value being replaced; counted as ``discarded_by_update``).
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import json
@@ -672,9 +673,9 @@ class KnowledgeBank:
 
     @property
     def tables(self) -> dict[str, dict[str, Any]]:
-        """Configuration of every table (a copy)."""
+        """Configuration of every table (a deep copy: editing it changes nothing in the bank)."""
         self._configs.update(self._call("table_configs", {0: ()})[0])
-        return {name: dict(config) for name, config in self._configs.items()}
+        return copy.deepcopy(self._configs)
 
     # ------------------------------------------------------------------ data path
     def lookup(self, table: str, keys: Any, insert_missing: bool = False):

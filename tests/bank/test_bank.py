@@ -570,3 +570,13 @@ def test_snapshot_manifest_is_strict_json_with_an_infinite_ttl(tmp_path):
     restored = KnowledgeBank.load(tmp_path / "snap")
     assert restored.tables["emb"]["pending_ttl_seconds"] == float("inf")
     assert restored.stats()["tables"]["emb"]["pending_gradients"] == 1
+
+
+def test_editing_the_tables_property_changes_nothing():
+    kb = make_bank(num_shards=2)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
+    kb.update("nbrs", [1], {"ids": [[5, 6]]})
+    kb.tables["nbrs"]["schema"]["ids"][1] = 3
+    kb.tables["emb"]["dim"] = 1
+    assert kb.tables["nbrs"]["schema"]["ids"] == ["int64", 2]
+    np.testing.assert_array_equal(kb.lookup("nbrs", [1])[0]["ids"], [[5, 6]])
