@@ -1,0 +1,147 @@
+"""Bad arguments to the MoE API raise a ValueError naming them, before any state changes."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from carlskit.moe import (
+    MoEFeedForward,
+    MoEModel,
+    expert_capacity,
+    expert_choice_gating,
+    make_mesh,
+    top1_gating,
+    top2_gating,
+    toy_multilingual_corpus,
+)
+
+VOCAB, LENGTH = 16, 8
+
+
+def tiny(**kwargs):
+    config = dict(vocab_size=VOCAB, num_layers=2, d_model=8, num_heads=2, num_experts=2, max_length=LENGTH)
+    config.update(kwargs)
+    return MoEModel(**config)
+
+
+def parameters(model):
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(nnx.state(model))]
+
+
+def test_out_of_vocabulary_tokens_raise_and_leave_the_model_unchanged():
+    # Before: ids >= vocab_size read NaN embeddings; fit returned loss NaN and left every parameter NaN.
+    model = tiny()
+    before = parameters(model)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (4, LENGTH + 1))
+    for bad in (tokens + VOCAB, tokens - VOCAB):
+        with pytest.raises(ValueError, match="vocab_size"):
+            model.fit(bad, steps=1, batch_size=2)
+        with pytest.raises(ValueError, match="vocab_size"):
+            model.evaluate(bad)
+        with pytest.raises(ValueError, match="eval_tokens"):
+            model.fit(tokens, steps=1, batch_size=2, eval_tokens=bad, eval_every=1)
+    with pytest.raises(ValueError, match="prompt"):
+        model.generate(np.array([[VOCAB]]), 2)
+    for after, expected in zip(parameters(model), before):
+        np.testing.assert_array_equal(after, expected)
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(batch_size=0), "batch_size"),
+        (dict(steps=1.5), "steps"),
+        (dict(learning_rate=float("nan")), "learning_rate"),
+        (dict(eval_every=-1), "eval_every"),
+    ],
+)
+def test_fit_checks_arguments_before_training(kwargs, name):
+    model = tiny()
+    before = parameters(model)
+    tokens = np.random.default_rng(0).integers(0, VOCAB, (4, LENGTH + 1))
+    with pytest.raises(ValueError, match=name):
+        model.fit(tokens, **{"steps": 1, "batch_size": 2, **kwargs})
+    for after, expected in zip(parameters(model), before):
+        np.testing.assert_array_equal(after, expected)
+
+
+def test_generate_and_evaluate_check_arguments():
+    model = tiny()
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate(np.array([[1, 2]]), -1)
+    with pytest.raises(ValueError, match="temperature"):
+        model.generate(np.array([[1, 2]]), 2, temperature=-1.0)
+    with pytest.raises(ValueError, match="prompt"):  # float ids were silently truncated
+        model.generate(np.array([[1.5, 2.0]]), 2)
+    tokens = np.zeros((4, LENGTH + 1), np.int32)
+    with pytest.raises(ValueError, match="batch_size"):  # 0 silently meant "all rows"
+        model.evaluate(tokens, batch_size=0)
+    with pytest.raises(ValueError, match="row"):
+        model.evaluate(tokens[:0])
+    with pytest.raises(ValueError, match="length >= 2"):
+        model.shard_batch(tokens[:, :1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(capacity_factor=0.0), "capacity_factor"),
+        (dict(group_size=0), "group_size"),  # silently meant "one group per sequence"
+        (dict(group_size=-3), "group_size"),
+        (dict(ffn_dim=0), "ffn_dim"),  # silently meant 4 * d_model
+        (dict(num_experts=2.5), "num_experts"),
+        (dict(num_experts=0, dispatch="nope"), "dispatch"),
+        (dict(num_experts=0, capacity_factor=-1.0), "capacity_factor"),
+        (dict(aux_loss_weight=float("nan")), "aux_loss_weight"),
+        (dict(d_model=10, num_heads=3), "num_heads"),
+        (dict(vocab_size=True), "vocab_size"),
+        (dict(num_experts=1), "num_experts >= 2"),  # top-2 would send each token twice to one expert
+    ],
+)
+def test_model_constructor_rejects_bad_configuration(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        tiny(**kwargs)
+
+
+def test_gating_checks_static_shapes_and_capacity():
+    logits = jnp.zeros((2, 4, 3))
+    with pytest.raises(ValueError, match="num_experts >= 1"):
+        top1_gating(jnp.zeros((2, 4, 0)), 2)
+    with pytest.raises(ValueError, match="num_experts >= 2"):
+        top2_gating(jnp.zeros((2, 4, 1)), 2, second_expert_policy="all")
+    with pytest.raises(ValueError, match="capacity"):
+        expert_choice_gating(logits, 0)
+    routing = top2_gating(logits, np.int64(2), second_expert_policy="all")  # NumPy ints are fine
+    assert routing.capacity == 2
+
+
+@pytest.mark.parametrize(
+    "args, name",
+    [
+        ((4, 2, float("inf")), "capacity_factor"),
+        ((4.5, 2, 1.0), "group_size"),  # was silently accepted
+        (("4", 2, 1.0), "group_size"),
+        ((4, 2, "1"), "capacity_factor"),
+    ],
+)
+def test_expert_capacity_names_bad_arguments(args, name):
+    with pytest.raises(ValueError, match=name):
+        expert_capacity(*args)
+
+
+def test_make_mesh_and_corpus_name_bad_arguments():
+    with pytest.raises(ValueError, match="data"):
+        make_mesh(0)  # was ZeroDivisionError
+    with pytest.raises(ValueError, match="data"):
+        make_mesh(1.0)
+    with pytest.raises(ValueError, match="expert"):
+        make_mesh(1, 0)
+    with pytest.raises(ValueError, match="num_sequences"):
+        toy_multilingual_corpus(2.5, 4)  # was "TypeError: seed must be integer"
+
+
+def test_moe_layer_rejects_bad_group_size():
+    with pytest.raises(ValueError, match="group_size"):
+        MoEFeedForward(8, 16, 2, group_size=0, rngs=nnx.Rngs(0))
