@@ -266,27 +266,33 @@ class MoEModel(nnx.Module):
         return history
 
     def evaluate(self, tokens: Any, *, batch_size: int | None = None) -> dict[str, float]:
-        """Mean metrics over rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
-        ``cross_entropy``, ``perplexity``, ``aux_loss``, drop fractions."""
+        """Mean metrics over all rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
+        ``cross_entropy``, ``perplexity``, ``aux_loss``, drop fractions.
+
+        Rows are run in batches of ``batch_size`` (default all); a last, smaller batch holds the
+        remainder, and each batch's metrics are weighted by its rows.
+        """
         data = self._check_tokens(np.asarray(tokens), "tokens")
         if batch_size is not None:
             batch_size = check_positive_int("batch_size", batch_size)
         batch_size = batch_size or len(data)
-        if batch_size < 1:
-            raise ValueError(f"tokens must hold at least one row, got {data.shape}")
+        if batch_size < 1 or len(data) < batch_size:
+            raise ValueError(f"tokens must hold at least batch_size={batch_size} >= 1 rows, got {data.shape}")
+        remainder = len(data) % batch_size
+        if self.mesh is not None and remainder % self.mesh.size:
+            raise ValueError(
+                f"tokens rows {len(data)} leave a last batch of {remainder} rows, not divisible by the mesh "
+                f"size {self.mesh.size}; pass a batch_size that divides the rows"
+            )
         graphdef, state = nnx.split(self)
         totals: dict[str, float] = {}
-        count = 0
-        for start in range(0, len(data) - batch_size + 1, batch_size):
-            batch = self.shard_batch(data[start : start + batch_size])
-            _, metrics = _eval_step(graphdef, state, batch)
+        for start in range(0, len(data), batch_size):
+            rows = data[start : start + batch_size]
+            _, metrics = _eval_step(graphdef, state, self.shard_batch(rows))
             for key, value in metrics.items():
                 if np.ndim(value) == 0:
-                    totals[key] = totals.get(key, 0.0) + float(value)
-            count += 1
-        if count == 0:
-            raise ValueError(f"tokens must hold at least batch_size={batch_size} rows, got {len(data)}")
-        result = {key: value / count for key, value in totals.items()}
+                    totals[key] = totals.get(key, 0.0) + float(value) * len(rows)
+        result = {key: value / len(data) for key, value in totals.items()}
         result["perplexity"] = float(np.exp(result["cross_entropy"]))
         return result
 

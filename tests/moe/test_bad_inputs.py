@@ -145,3 +145,14 @@ def test_make_mesh_and_corpus_name_bad_arguments():
 def test_moe_layer_rejects_bad_group_size():
     with pytest.raises(ValueError, match="group_size"):
         MoEFeedForward(8, 16, 2, group_size=0, rngs=nnx.Rngs(0))
+
+
+def test_evaluate_counts_every_row():
+    # Before: rows past the last full batch were silently left out of the mean.
+    model = tiny(num_experts=0)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, VOCAB, (5, LENGTH + 1))
+    tokens[4] = 0  # an outlier row in the remainder
+    whole = model.evaluate(tokens)["cross_entropy"]
+    in_batches = model.evaluate(tokens, batch_size=2)["cross_entropy"]
+    np.testing.assert_allclose(in_batches, whole, rtol=1e-5)
