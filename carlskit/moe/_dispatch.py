@@ -55,12 +55,21 @@ def combine_scatter(routing: Routing, expert_out: jax.Array) -> jax.Array:
 def dispatch(routing: Routing, x: jax.Array, mode: str = "scatter") -> jax.Array:
     """Tokens [G, S, M] to expert buffers [E, G, C, M] with the chosen path."""
     _check_mode(mode)
+    expected = (routing.slot_token.shape[0], routing.num_tokens)
+    if getattr(x, "ndim", None) != 3 or tuple(x.shape[:2]) != expected:
+        raise ValueError(f"x must have shape [groups={expected[0]}, group_size={expected[1]}, d_model], got {getattr(x, 'shape', type(x))}")
     return dispatch_gather(routing, x) if mode == "scatter" else dispatch_einsum(routing, x)
 
 
 def combine(routing: Routing, expert_out: jax.Array, mode: str = "scatter") -> jax.Array:
     """Expert buffers [E, G, C, M] back to tokens [G, S, M], weighted by the combine weights."""
     _check_mode(mode)
+    groups, experts, capacity = routing.slot_token.shape
+    if getattr(expert_out, "ndim", None) != 4 or tuple(expert_out.shape[:3]) != (experts, groups, capacity):
+        raise ValueError(
+            f"expert_out must have shape [num_experts={experts}, groups={groups}, capacity={capacity}, d_model], "
+            f"got {getattr(expert_out, 'shape', type(expert_out))}"
+        )
     return combine_scatter(routing, expert_out) if mode == "scatter" else combine_einsum(routing, expert_out)
 
 

@@ -107,6 +107,11 @@ class MoEFeedForward(nnx.Module):
         return expert_capacity(group_size, self.num_experts, self.capacity_factor, experts_per_token(self.router))
 
     def __call__(self, x: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+        d_model_expected = self.router_weights.shape[0]
+        if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model_expected:
+            raise ValueError(
+                f"x must have shape [batch, length, d_model={d_model_expected}], got {getattr(x, 'shape', type(x))}"
+            )
         batch, length, d_model = x.shape
         group_size = self.group_size or length
         if (batch * length) % group_size:

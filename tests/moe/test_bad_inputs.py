@@ -156,3 +156,19 @@ def test_evaluate_counts_every_row():
     whole = model.evaluate(tokens)["cross_entropy"]
     in_batches = model.evaluate(tokens, batch_size=2)["cross_entropy"]
     np.testing.assert_allclose(in_batches, whole, rtol=1e-5)
+
+
+def test_layer_and_dispatch_check_shapes_at_trace_time():
+    from carlskit.moe import combine, dispatch
+
+    layer = MoEFeedForward(8, 16, 2, second_expert_policy="all", rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_model=8"):
+        layer(jnp.zeros((2, 4, 6)))  # was a deep einsum error
+    with pytest.raises(ValueError, match="d_model=8"):
+        layer(jnp.zeros((4, 8)))  # was "not enough values to unpack"
+    routing = top2_gating(jnp.zeros((2, 4, 2)), 2, second_expert_policy="all")
+    with pytest.raises(ValueError, match="group_size=4"):
+        dispatch(routing, jnp.zeros((2, 5, 8)))
+    with pytest.raises(ValueError, match="expert_out"):
+        combine(routing, jnp.zeros((3, 2, 2, 8)))
+    assert combine(routing, dispatch(routing, jnp.ones((2, 4, 8)))).shape == (2, 4, 8)
