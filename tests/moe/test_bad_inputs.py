@@ -172,3 +172,15 @@ def test_layer_and_dispatch_check_shapes_at_trace_time():
     with pytest.raises(ValueError, match="expert_out"):
         combine(routing, jnp.zeros((3, 2, 2, 8)))
     assert combine(routing, dispatch(routing, jnp.ones((2, 4, 8)))).shape == (2, 4, 8)
+
+
+def test_low_level_dispatch_paths_check_shapes_too():
+    from carlskit.moe import combine_einsum, combine_scatter, dispatch_einsum, dispatch_gather
+
+    routing = top2_gating(jnp.zeros((2, 4, 2)), 2, second_expert_policy="all")
+    for function in (dispatch_gather, dispatch_einsum):
+        with pytest.raises(ValueError, match="group_size=4"):
+            function(routing, jnp.zeros((2, 5, 8)))
+    for function in (combine_scatter, combine_einsum):
+        with pytest.raises(ValueError, match="expert_out"):
+            function(routing, jnp.zeros((2, 2, 3, 8)))
