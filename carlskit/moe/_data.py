@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._gating import check_positive_int
+
 
 def toy_multilingual_corpus(
     num_sequences: int,
@@ -25,11 +27,11 @@ def toy_multilingual_corpus(
     Deterministic in ``seed`` (the tables depend only on ``seed``, ``num_languages``,
     ``vocab_size`` and ``branching``).
     """
-    if num_sequences < 1 or length < 1 or num_languages < 1 or vocab_size < 2 or branching < 1:
-        raise ValueError(
-            "num_sequences, length, num_languages, branching must be >= 1 and vocab_size >= 2, got "
-            f"{num_sequences}, {length}, {num_languages}, {branching}, {vocab_size}"
-        )
+    for name, value in (("num_sequences", num_sequences), ("length", length), ("num_languages", num_languages),
+                        ("vocab_size", vocab_size), ("branching", branching)):
+        check_positive_int(name, value)
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     tables = np.random.default_rng(seed)
     successors = tables.integers(0, vocab_size, (num_languages, vocab_size, branching))
     weights = tables.dirichlet(np.ones(branching), (num_languages, vocab_size))

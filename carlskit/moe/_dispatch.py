@@ -20,18 +20,21 @@ DISPATCH_MODES = ("scatter", "einsum")
 @jax.jit
 def dispatch_einsum(routing: Routing, x: jax.Array) -> jax.Array:
     """[G, S, M] -> [E, G, C, M] by ``einsum('GSEC,GSM->EGCM')``."""
+    _check_tokens(routing, x)
     return jnp.einsum("gsec,gsm->egcm", routing.dispatch_mask.astype(x.dtype), x)
 
 
 @jax.jit
 def combine_einsum(routing: Routing, expert_out: jax.Array) -> jax.Array:
     """[E, G, C, M] -> [G, S, M] by ``einsum('GSEC,EGCM->GSM')``."""
+    _check_expert_out(routing, expert_out)
     return jnp.einsum("gsec,egcm->gsm", routing.combine_weights.astype(expert_out.dtype), expert_out)
 
 
 @jax.jit
 def dispatch_gather(routing: Routing, x: jax.Array) -> jax.Array:
     """[G, S, M] -> [E, G, C, M] by gathering each slot's token (empty slots read zeros)."""
+    _check_tokens(routing, x)
     groups, _, dim = x.shape
     padded = jnp.concatenate([x, jnp.zeros((groups, 1, dim), x.dtype)], axis=1)  # row S = empty
     slots = routing.slot_token.reshape(groups, -1)
@@ -43,6 +46,7 @@ def dispatch_gather(routing: Routing, x: jax.Array) -> jax.Array:
 @jax.jit
 def combine_scatter(routing: Routing, expert_out: jax.Array) -> jax.Array:
     """[E, G, C, M] -> [G, S, M] by scatter-adding weighted slot outputs to their tokens."""
+    _check_expert_out(routing, expert_out)
     num_experts, groups, capacity, dim = expert_out.shape
     weighted = jnp.swapaxes(expert_out, 0, 1) * routing.slot_weight[..., None].astype(expert_out.dtype)
     weighted = weighted.reshape(groups, num_experts * capacity, dim)
@@ -62,6 +66,26 @@ def combine(routing: Routing, expert_out: jax.Array, mode: str = "scatter") -> j
     """Expert buffers [E, G, C, M] back to tokens [G, S, M], weighted by the combine weights."""
     _check_mode(mode)
     return combine_scatter(routing, expert_out) if mode == "scatter" else combine_einsum(routing, expert_out)
+
+
+def _check_tokens(routing: Routing, x: jax.Array) -> None:
+    """Trace-time check: x is [G, S, M] for the routing's G groups of S tokens."""
+    expected = (routing.slot_token.shape[0], routing.num_tokens)
+    if getattr(x, "ndim", None) != 3 or tuple(x.shape[:2]) != expected:
+        raise ValueError(
+            f"x must have shape [groups={expected[0]}, group_size={expected[1]}, d_model], "
+            f"got {getattr(x, 'shape', type(x))}"
+        )
+
+
+def _check_expert_out(routing: Routing, expert_out: jax.Array) -> None:
+    """Trace-time check: expert_out is [E, G, C, M] for the routing's slots."""
+    groups, experts, capacity = routing.slot_token.shape
+    if getattr(expert_out, "ndim", None) != 4 or tuple(expert_out.shape[:3]) != (experts, groups, capacity):
+        raise ValueError(
+            f"expert_out must have shape [num_experts={experts}, groups={groups}, capacity={capacity}, d_model], "
+            f"got {getattr(expert_out, 'shape', type(expert_out))}"
+        )
 
 
 def _check_mode(mode: str) -> None:

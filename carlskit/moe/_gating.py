@@ -16,6 +16,7 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 SECOND_EXPERT_POLICIES = ("random", "all", "none")
 ROUTERS = ("top2", "top1", "expert_choice")
@@ -73,6 +74,22 @@ jax.tree_util.register_dataclass(
 )
 
 
+def check_positive_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 1 (Python or NumPy integer, not bool), else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
+
+
+def check_positive_float(name: str, value: Any) -> float:
+    """``value`` as a finite float > 0, else a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not (
+        0 < value < math.inf
+    ):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+    return float(value)
+
+
 def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, k: int = 2) -> int:
     """Expert buffer size per group: ``C = ceil(k * S * capacity_factor / E)`` (GShard 2.2).
 
@@ -80,23 +97,23 @@ def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, k
     most ``S`` (an expert never receives more than S tokens of a group: a token's k choices are
     distinct experts).
     """
-    if group_size < 1 or num_experts < 1 or k < 1:
-        raise ValueError(
-            f"group_size, num_experts and k must be >= 1, got {group_size}, {num_experts}, {k}"
-        )
-    if not capacity_factor > 0:
-        raise ValueError(f"capacity_factor must be > 0, got {capacity_factor}")
+    group_size = check_positive_int("group_size", group_size)
+    num_experts = check_positive_int("num_experts", num_experts)
+    k = check_positive_int("k", k)
+    capacity_factor = check_positive_float("capacity_factor", capacity_factor)
     capacity = math.ceil(k * group_size * capacity_factor / num_experts - 1e-9)
     return int(min(group_size, max(1, capacity)))
 
 
-def _check_logits(logits: jax.Array, capacity: int) -> None:
-    if getattr(logits, "ndim", None) != 3:
+def _check_logits(logits: jax.Array, capacity: int, *, min_experts: int = 1) -> int:
+    """Static (trace-time) checks of the router inputs: rank, non-empty dims, capacity."""
+    shape = getattr(logits, "shape", None)
+    if shape is None or len(shape) != 3 or shape[1] < 1 or shape[2] < min_experts:
         raise ValueError(
-            f"logits must have shape [groups, group_size, num_experts], got {getattr(logits, 'shape', type(logits))}"
+            f"logits must have shape [groups, group_size >= 1, num_experts >= {min_experts}], "
+            f"got {shape if shape is not None else type(logits).__name__}"
         )
-    if not isinstance(capacity, int) or capacity < 1:
-        raise ValueError(f"capacity must be a positive int, got {capacity!r}")
+    return check_positive_int("capacity", capacity)
 
 
 def _exclusive_cumsum(mask: jax.Array) -> jax.Array:
@@ -159,7 +176,7 @@ def _choice_routing(
     uniform: jax.Array | None = None,
 ) -> Routing:
     """Token-choice routing with 1 (Switch) or 2 (GShard) experts per token."""
-    _check_logits(logits, capacity)
+    capacity = _check_logits(logits, capacity, min_experts=num_choices)  # top-2 needs two distinct experts
     if second_expert_policy not in SECOND_EXPERT_POLICIES:
         raise ValueError(
             f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
@@ -273,7 +290,7 @@ def expert_choice_gating(logits: jax.Array, capacity: int) -> Routing:
     """Expert-choice routing (Zhou et al. 2022, 3.1): each expert takes the C tokens with the
     highest gate ``softmax(logits)[s, e]``; weight = that gate. Balanced by construction
     (aux loss 0); a token may get zero or several experts."""
-    _check_logits(logits, capacity)
+    capacity = _check_logits(logits, capacity)
     groups, num_tokens, num_experts = logits.shape
     if capacity > num_tokens:
         raise ValueError(f"capacity must be <= group size {num_tokens} for expert choice, got {capacity}")

@@ -13,7 +13,10 @@ from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from ._dispatch import DISPATCH_MODES, combine, dispatch
-from ._gating import ROUTERS, SECOND_EXPERT_POLICIES, Routing, expert_capacity, experts_per_token, route
+from ._gating import (
+    ROUTERS, SECOND_EXPERT_POLICIES, Routing, check_positive_float, check_positive_int, expert_capacity,
+    experts_per_token, route,
+)
 from ._sharding import DATA_AXIS, EXPERT_AXIS, split
 
 # Activations (groups / batch) are split over every device of the mesh; experts over "expert".
@@ -78,8 +81,12 @@ class MoEFeedForward(nnx.Module):
             )
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-        if num_experts < 1:
-            raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+        num_experts = check_positive_int("num_experts", num_experts)
+        capacity_factor = check_positive_float("capacity_factor", capacity_factor)
+        if group_size is not None:
+            group_size = check_positive_int("group_size", group_size)
+        if router == "top2" and num_experts < 2:
+            raise ValueError('router="top2" needs num_experts >= 2 (two distinct experts per token), got 1')
         if mesh is not None and num_experts % mesh.shape.get(EXPERT_AXIS, 1):
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by the mesh's expert axis {mesh.shape[EXPERT_AXIS]}"
@@ -100,6 +107,11 @@ class MoEFeedForward(nnx.Module):
         return expert_capacity(group_size, self.num_experts, self.capacity_factor, experts_per_token(self.router))
 
     def __call__(self, x: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+        d_model_expected = self.router_weights.shape[0]
+        if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model_expected:
+            raise ValueError(
+                f"x must have shape [batch, length, d_model={d_model_expected}], got {getattr(x, 'shape', type(x))}"
+            )
         batch, length, d_model = x.shape
         group_size = self.group_size or length
         if (batch * length) % group_size:
@@ -169,6 +181,7 @@ class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention (Vaswani et al. 2017, 3.2; no biases)."""
 
     def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
+        d_model, num_heads = check_positive_int("d_model", d_model), check_positive_int("num_heads", num_heads)
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         head_dim = d_model // num_heads

@@ -13,7 +13,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from ._gating import experts_per_token
+from ._dispatch import DISPATCH_MODES
+from ._gating import SECOND_EXPERT_POLICIES, check_positive_float, check_positive_int, experts_per_token
 from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _scaled_normal
 from ._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
 
@@ -59,15 +60,34 @@ class MoEModel(nnx.Module):
     ):
         for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers), ("d_model", d_model),
                             ("num_heads", num_heads), ("max_length", max_length)):
-            if not isinstance(value, (int, np.integer)) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if num_experts < 0:
-            raise ValueError(f"num_experts must be >= 0 (0 = dense baseline), got {num_experts}")
+            check_positive_int(name, value)
+        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 0:
+            raise ValueError(f"num_experts must be an int >= 0 (0 = dense baseline), got {num_experts!r}")
+        if d_model % num_heads:
+            raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
+        # Checked here even when unused (num_experts=0), so a typo never passes silently.
+        experts_per_token(router)
+        check_positive_float("capacity_factor", capacity_factor)
+        if second_expert_policy not in SECOND_EXPERT_POLICIES:
+            raise ValueError(
+                f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
+            )
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+        if ffn_dim is not None:
+            check_positive_int("ffn_dim", ffn_dim)
+        if group_size is not None:
+            check_positive_int("group_size", group_size)
+        for name, value in (("aux_loss_weight", aux_loss_weight), ("z_loss_weight", z_loss_weight)):
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not (
+                0 <= value < np.inf
+            ):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
         if mesh is not None:
             if not isinstance(mesh, Mesh) or not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
                 raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", got {mesh!r}')
             mesh = auto_axes(mesh)
-        ffn_dim = ffn_dim or 4 * d_model
+        ffn_dim = 4 * d_model if ffn_dim is None else int(ffn_dim)
         rngs = nnx.Rngs(params=seed)
         self.vocab_size = int(vocab_size)
         self.max_length = int(max_length)
@@ -110,9 +130,13 @@ class MoEModel(nnx.Module):
 
     def shard_batch(self, tokens: Any) -> jax.Array:
         """Checked int32 tokens [B, L], split over all devices of the mesh (if any)."""
+        if not isinstance(tokens, jax.Array):
+            self._check_tokens(np.asarray(tokens), "tokens")  # host data: value check costs no sync
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an int array [batch, length], got {tokens.dtype} {tokens.shape}")
+        if tokens.shape[1] < 2:
+            raise ValueError(f"tokens must have length >= 2 (inputs and next-token targets), got {tokens.shape}")
         if tokens.shape[1] > self.max_length + 1:
             raise ValueError(f"tokens length {tokens.shape[1]} exceeds max_length + 1 = {self.max_length + 1}")
         tokens = tokens.astype(jnp.int32)
@@ -121,6 +145,22 @@ class MoEModel(nnx.Module):
                 raise ValueError(f"batch {tokens.shape[0]} must be divisible by the mesh size {self.mesh.size}")
             tokens = jax.device_put(tokens, NamedSharding(self.mesh, PartitionSpec(BATCH_AXES)))
         return tokens
+
+    def _check_tokens(self, data: np.ndarray, name: str, *, min_length: int = 2) -> np.ndarray:
+        """Host-side check of token ids [N, L]: integer dtype, 0 <= id < vocab_size.
+
+        Out-of-range ids would otherwise read NaN embeddings (``jnp.take`` fills) and silently
+        turn the loss, and after one step every parameter, into NaN.
+        """
+        if data.ndim != 2 or data.shape[1] < min_length or not np.issubdtype(data.dtype, np.integer):
+            raise ValueError(
+                f"{name} must be an int array [rows, length >= {min_length}], got {data.dtype} {data.shape}"
+            )
+        if data.size and (data.min() < 0 or data.max() >= self.vocab_size):
+            raise ValueError(
+                f"{name} holds token ids in [{data.min()}, {data.max()}], outside [0, vocab_size={self.vocab_size})"
+            )
+        return data
 
     # ----------------------------------------------------------------------------- forward
     def __call__(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, list]:
@@ -180,11 +220,26 @@ class MoEModel(nnx.Module):
         Returns the history: per step ``loss``, ``cross_entropy``, ``aux_loss``, drop fractions,
         ``expert_load``; ``eval_loss`` every ``eval_every`` steps (if ``eval_tokens``).
         """
-        data = np.asarray(tokens)
-        if data.ndim != 2 or data.shape[0] < batch_size:
-            raise ValueError(f"tokens must be [N >= batch_size, L], got {data.shape}")
-        if steps < 0:
-            raise ValueError(f"steps must be >= 0, got {steps}")
+        # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
+        batch_size = check_positive_int("batch_size", batch_size)
+        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
+            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
+        if isinstance(eval_every, bool) or not isinstance(eval_every, (int, np.integer)) or eval_every < 0:
+            raise ValueError(f"eval_every must be an int >= 0 (0 = never), got {eval_every!r}")
+        if optimizer is None:
+            check_positive_float("learning_rate", learning_rate)
+        data = self._check_tokens(np.asarray(tokens), "tokens")
+        if data.shape[0] < batch_size:
+            raise ValueError(f"tokens must hold at least batch_size={batch_size} rows, got {data.shape}")
+        if data.shape[1] > self.max_length + 1:
+            raise ValueError(f"tokens length {data.shape[1]} exceeds max_length + 1 = {self.max_length + 1}")
+        if eval_tokens is not None and eval_every:
+            evaluation = self._check_tokens(np.asarray(eval_tokens), "eval_tokens")
+            if evaluation.shape[0] < batch_size or evaluation.shape[1] > self.max_length + 1:
+                raise ValueError(
+                    f"eval_tokens must be [rows >= batch_size={batch_size}, length <= {self.max_length + 1}], "
+                    f"got {evaluation.shape}"
+                )
         tx = optimizer or optax.adam(learning_rate)
         graphdef, state = nnx.split(self)
         opt_state = tx.init(state)
@@ -211,23 +266,33 @@ class MoEModel(nnx.Module):
         return history
 
     def evaluate(self, tokens: Any, *, batch_size: int | None = None) -> dict[str, float]:
-        """Mean metrics over rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
-        ``cross_entropy``, ``perplexity``, ``aux_loss``, drop fractions."""
-        data = np.asarray(tokens)
+        """Mean metrics over all rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
+        ``cross_entropy``, ``perplexity``, ``aux_loss``, drop fractions.
+
+        Rows are run in batches of ``batch_size`` (default all); a last, smaller batch holds the
+        remainder, and each batch's metrics are weighted by its rows.
+        """
+        data = self._check_tokens(np.asarray(tokens), "tokens")
+        if batch_size is not None:
+            batch_size = check_positive_int("batch_size", batch_size)
         batch_size = batch_size or len(data)
+        if batch_size < 1 or len(data) < batch_size:
+            raise ValueError(f"tokens must hold at least batch_size={batch_size} >= 1 rows, got {data.shape}")
+        remainder = len(data) % batch_size
+        if self.mesh is not None and remainder % self.mesh.size:
+            raise ValueError(
+                f"tokens rows {len(data)} leave a last batch of {remainder} rows, not divisible by the mesh "
+                f"size {self.mesh.size}; pass a batch_size that divides the rows"
+            )
         graphdef, state = nnx.split(self)
         totals: dict[str, float] = {}
-        count = 0
-        for start in range(0, len(data) - batch_size + 1, batch_size):
-            batch = self.shard_batch(data[start : start + batch_size])
-            _, metrics = _eval_step(graphdef, state, batch)
+        for start in range(0, len(data), batch_size):
+            rows = data[start : start + batch_size]
+            _, metrics = _eval_step(graphdef, state, self.shard_batch(rows))
             for key, value in metrics.items():
                 if np.ndim(value) == 0:
-                    totals[key] = totals.get(key, 0.0) + float(value)
-            count += 1
-        if count == 0:
-            raise ValueError(f"tokens must hold at least batch_size={batch_size} rows, got {len(data)}")
-        result = {key: value / count for key, value in totals.items()}
+                    totals[key] = totals.get(key, 0.0) + float(value) * len(rows)
+        result = {key: value / len(data) for key, value in totals.items()}
         result["perplexity"] = float(np.exp(result["cross_entropy"]))
         return result
 
@@ -245,9 +310,13 @@ class MoEModel(nnx.Module):
         Note: capacity-limited routing groups whole sequences, so padding after the current
         position can take second-choice slots; generation is approximate for tight capacity.
         """
-        prompt = np.asarray(prompt)
-        if prompt.ndim != 2 or prompt.shape[1] < 1:
-            raise ValueError(f"prompt must be int [batch, length >= 1], got {prompt.shape}")
+        prompt = self._check_tokens(np.asarray(prompt), "prompt", min_length=1)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) or not (
+            0 <= temperature < np.inf
+        ):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
         total = prompt.shape[1] + max_new_tokens
         if total > self.max_length:
             raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_length={self.max_length}")

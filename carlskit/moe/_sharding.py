@@ -26,10 +26,16 @@ def make_mesh(data: int = 1, expert: int | None = None, *, devices: Sequence[jax
     partitioner propagates the annotations.
     """
     devices = list(jax.devices() if devices is None else devices)
-    if expert is None:
-        expert = len(devices) // data
-    if data < 1 or expert < 1 or data * expert > len(devices):
-        raise ValueError(f"mesh shape (data={data}, expert={expert}) needs <= {len(devices)} devices")
+    for name, value in (("data", data), ("expert", expert)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
+            raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}")
+    data = int(data)
+    expert = len(devices) // data if expert is None else int(expert)
+    if expert < 1 or data * expert > len(devices):
+        raise ValueError(
+            f"mesh shape (data={data}, expert={expert}) needs data * expert <= {len(devices)} devices "
+            f"and expert >= 1"
+        )
     return jax.make_mesh(
         (data, expert), (DATA_AXIS, EXPERT_AXIS), axis_types=(AxisType.Auto,) * 2,
         devices=devices[: data * expert],

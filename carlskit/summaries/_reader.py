@@ -32,7 +32,8 @@ class SummaryReader:
     Args:
       logdir: the writer's ``logdir``.
       on_corrupt: ``"raise"`` (default) raises :class:`CorruptRecordError` on a record whose CRC32
-        does not match; ``"skip"`` skips it and counts it in :attr:`corrupt_records`.
+        does not match (or on a ``*.summaries`` file whose header is not a carlskit one);
+        ``"skip"`` skips it (such a file for good) and counts it in :attr:`corrupt_records`.
     """
 
     def __init__(self, logdir: str | os.PathLike, *, on_corrupt: str = "raise"):
@@ -41,21 +42,31 @@ class SummaryReader:
         if on_corrupt not in ("raise", "skip"):
             raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
         self.logdir = Path(logdir)
+        if self.logdir.exists() and not self.logdir.is_dir():
+            raise NotADirectoryError(f"logdir {str(self.logdir)!r} exists and is not a directory")
         self.on_corrupt = on_corrupt
         self.corrupt_records = 0
         self._levels: dict[int, _Level] = {}
+        self._foreign: set[Path] = set()  # files with a bad header, skipped with on_corrupt="skip"
         self._lock = threading.RLock()
 
     # -- reading -------------------------------------------------------------------------------
     def refresh(self, level: int = 0) -> int:
         """Read records appended since the last call at this decimation level; return how many
         entries were new."""
+        if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not (
+            0 <= level <= _format.DECIMATION_LEVELS
+        ):
+            raise ValueError(f"level must be an int in [0, {_format.DECIMATION_LEVELS}], got {level!r}")
+        level = int(level)
         with self._lock:
             state = self._levels.setdefault(level, _Level())
             new_entries = 0
             if not self.logdir.is_dir():
                 return 0
             for path in sorted(self.logdir.glob(f"*.level{level}.summaries")):
+                if path in self._foreign or not path.is_file():
+                    continue
                 new_entries += self._read_file(path, state)
             return new_entries
 
@@ -69,7 +80,14 @@ class SummaryReader:
             return 0
         with open(path, "rb") as file:
             if offset == 0:
-                _format.check_file_header(file.read(_format.FILE_HEADER.size), str(path))
+                try:
+                    _format.check_file_header(file.read(_format.FILE_HEADER.size), str(path))
+                except ValueError:
+                    if self.on_corrupt == "raise":
+                        raise
+                    self._foreign.add(path)  # skip it from now on, counted once
+                    self.corrupt_records += 1
+                    return 0
                 offset = _format.FILE_HEADER.size
             file.seek(offset)
             block = file.read(size - offset)
@@ -107,7 +125,10 @@ class SummaryReader:
         points (each level keeps every 16th point of the one below), so plotting millions of
         points reads only thousands. Unknown names give an empty frame.
         """
-        if max_points is not None and (not isinstance(max_points, int) or max_points < 1):
+        _check_name(name)
+        if max_points is not None and (
+            isinstance(max_points, bool) or not isinstance(max_points, (int, np.integer)) or max_points < 1
+        ):
             raise ValueError(f"max_points must be a positive int or None, got {max_points!r}")
         with self._lock:
             level = self._choose_level(name, max_points)
@@ -136,12 +157,14 @@ class SummaryReader:
 
     def count(self, name: str) -> int:
         """Number of scalar points of ``name`` at full resolution."""
+        _check_name(name)
         with self._lock:
             self.refresh(0)
             return self._levels[0].counts.get((_format.SCALARS, name), 0)
 
     def histograms(self, name: str) -> pd.DataFrame:
         """Histograms of ``name``: ``step``, ``wall_time``, ``edges`` (array), ``counts`` (array)."""
+        _check_name(name)
         with self._lock:
             self.refresh(0)
             columns = self._columns(_format.HISTOGRAMS, name)
@@ -158,6 +181,7 @@ class SummaryReader:
 
     def samples(self, name: str) -> pd.DataFrame:
         """Array subsamples of ``name``: ``step``, ``wall_time``, ``original_size``, ``values``."""
+        _check_name(name)
         with self._lock:
             self.refresh(0)
             columns = self._columns(_format.SAMPLES, name)
@@ -171,6 +195,7 @@ class SummaryReader:
 
     def texts(self, name: str) -> pd.DataFrame:
         """Strings logged under ``name``: ``step``, ``wall_time``, ``text``."""
+        _check_name(name)
         with self._lock:
             self.refresh(0)
             columns = self._columns(_format.TEXTS, name)
@@ -184,6 +209,11 @@ class SummaryReader:
 
     def __repr__(self) -> str:
         return f"SummaryReader({str(self.logdir)!r})"
+
+
+def _check_name(name: object) -> None:
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (a summary name), got {type(name).__name__}: {name!r}")
 
 
 def _kind_codes(kind: str | None) -> set[int]:

@@ -31,12 +31,27 @@ def render_png(draw: Callable[[Figure], None], width_inches: float, height_inche
         figure.clear()
 
 
+def check_smoothing(weight: Any, name: str = "smoothing") -> float:
+    """``weight`` as a float in [0, 1) (the EMA weight of :func:`smooth`), else a ValueError naming it."""
+    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.integer, np.floating)) or not (
+        0.0 <= weight < 1.0
+    ):
+        raise ValueError(f"{name} must be a number in [0, 1), got {weight!r}")
+    return float(weight)
+
+
 def smooth(values: np.ndarray, weight: float) -> np.ndarray:
     """Debiased exponential moving average (as TensorBoard's smoothing slider):
-    ``m_t = w m_{t-1} + (1 - w) x_t``, shown as ``m_t / (1 - w^t)``. Non-finite points are
-    skipped (they keep the running average)."""
-    values = np.asarray(values, dtype=np.float64)
-    if weight <= 0 or values.size == 0:
+    ``m_t = w m_{t-1} + (1 - w) x_t``, shown as ``m_t / (1 - w^t)``, for 1-D ``values`` and
+    ``weight`` in [0, 1). Non-finite points are skipped (they keep the running average)."""
+    weight = check_smoothing(weight, "weight")
+    try:
+        values = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"values must be a 1-D sequence of numbers: {error}") from None
+    if values.ndim != 1:
+        raise ValueError(f"values must be 1-D, got shape {values.shape}")
+    if weight == 0 or values.size == 0:
         return values
     out = np.empty_like(values)
     average, count = 0.0, 0

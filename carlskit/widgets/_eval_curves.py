@@ -35,6 +35,8 @@ def curves_frame(data: Any) -> pd.DataFrame:
         frame = data.copy()
         if "step" not in frame:
             frame["step"] = frame.groupby(["checkpoint", "task_set", "split"]).cumcount()
+        frame["value"] = _numeric(frame["value"], "data['value']", np.float64)
+        frame["step"] = _numeric(frame["step"], "data['step']", None)
         return frame[COLUMNS].reset_index(drop=True)
     if not isinstance(data, Mapping):
         raise TypeError(
@@ -65,7 +67,16 @@ def _curve_arrays(curve: Any, where: str) -> tuple[np.ndarray, np.ndarray]:
         steps = np.arange(values.shape[0] if values.ndim else 0)
     if values.ndim != 1 or steps.shape != values.shape:
         raise ValueError(f"{where} must be a 1-D sequence of values or (steps, values) of equal length")
-    return steps, values.astype(np.float64)
+    return _numeric(steps, f"{where} steps", None), _numeric(values, f"{where} values", np.float64)
+
+
+def _numeric(column: Any, where: str, dtype: type | None) -> np.ndarray:
+    """``column`` checked to hold numbers (bool, int or float; never strings or objects) and
+    converted to ``dtype`` (None keeps its own), or a ValueError naming where it came from."""
+    array = np.asarray(column)
+    if array.dtype.kind not in "biuf":
+        raise ValueError(f"{where} must be numbers, got dtype {array.dtype} ({array[:3].tolist()!r}...)")
+    return array if dtype is None else array.astype(dtype)
 
 
 class EvalCurves(WidgetDisplay):
@@ -146,14 +157,20 @@ class EvalCurves(WidgetDisplay):
 
     def final_values(self, checkpoint: Any = None) -> pd.DataFrame:
         """Last value of every curve of a checkpoint (default the selected one)."""
-        checkpoint = self.selector.value if checkpoint is None else checkpoint
+        if checkpoint is None:
+            checkpoint = self.selector.value
+        else:
+            self._check_checkpoint(checkpoint)
         rows = self.frame[self.frame["checkpoint"] == checkpoint]
         last = rows.sort_values("step").groupby(["task_set", "split"], sort=True).tail(1)
         return last.pivot(index="task_set", columns="split", values="value")
 
     def render(self, checkpoint: Any = None) -> bytes:
         """PNG of one checkpoint's curves (default the selected one)."""
-        checkpoint = self.selector.value if checkpoint is None else checkpoint
+        if checkpoint is None:
+            checkpoint = self.selector.value
+        else:
+            self._check_checkpoint(checkpoint)
         with self._lock:
             rows = self.frame[self.frame["checkpoint"] == checkpoint]
         task_sets = list(dict.fromkeys(rows["task_set"].tolist()))

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from carlskit.widgets._display import render_png, smooth
+from carlskit.widgets._display import check_smoothing, render_png, smooth
 
 
 def in_notebook() -> bool:
@@ -36,7 +36,7 @@ class LivePlot:
 
         self.title = title
         self.every_seconds = every_seconds
-        self.smoothing = smoothing
+        self.smoothing = check_smoothing(smoothing)
         self.size = (width_inches, height_inches)
         self.widget = ipywidgets.Image(format="png")
         self.renders = 0

@@ -10,10 +10,11 @@ import time
 from collections.abc import Sequence
 
 import ipywidgets
+import numpy as np
 
 from carlskit.summaries import SummaryReader
 from carlskit.widgets._display import (
-    PeriodicThread, WidgetDisplay, html_table, png_img_tag, render_png, smooth, text_table,
+    PeriodicThread, WidgetDisplay, check_smoothing, html_table, png_img_tag, render_png, smooth, text_table,
 )
 
 
@@ -60,13 +61,14 @@ class LiveSummaries(WidgetDisplay):
                 raise TypeError("names must be a sequence of str (or None for every scalar)")
             names = list(names)
         self.names = names
-        if not every_seconds > 0:
-            raise ValueError(f"every_seconds must be > 0, got {every_seconds!r}")
-        if not isinstance(max_points, int) or max_points < 2:
+        if isinstance(every_seconds, bool) or not isinstance(every_seconds, (int, float)) or not every_seconds > 0:
+            raise ValueError(f"every_seconds must be a number > 0, got {every_seconds!r}")
+        if isinstance(max_points, bool) or not isinstance(max_points, (int, np.integer)) or max_points < 2:
             raise ValueError(f"max_points must be an int >= 2, got {max_points!r}")
-        if not 0.0 <= smoothing < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {smoothing!r}")
-        self.max_points, self.max_panels = max_points, max_panels
+        if isinstance(max_panels, bool) or not isinstance(max_panels, (int, np.integer)) or max_panels < 1:
+            raise ValueError(f"max_panels must be an int >= 1, got {max_panels!r}")
+        smoothing = check_smoothing(smoothing)
+        self.max_points, self.max_panels = int(max_points), int(max_panels)
         self.width_inches, self.panel_height_inches = width_inches, panel_height_inches
         self._render_lock = threading.Lock()
         self._signature: tuple | None = None
@@ -75,7 +77,7 @@ class LiveSummaries(WidgetDisplay):
 
         self.image = ipywidgets.Image(format="png", layout=ipywidgets.Layout(width="100%", max_width="900px"))
         self.smoothing_slider = ipywidgets.FloatSlider(
-            value=smoothing, min=0.0, max=0.99, step=0.01, description="smoothing",
+            value=smoothing, min=0.0, max=0.999, step=0.01, description="smoothing",
             continuous_update=False)
         self.log_scale_checkbox = ipywidgets.Checkbox(value=log_scale, description="log scale", indent=False)
         self.pause_button = ipywidgets.ToggleButton(value=False, description="pause", icon="pause")
@@ -101,9 +103,7 @@ class LiveSummaries(WidgetDisplay):
 
     @smoothing.setter
     def smoothing(self, weight: float) -> None:
-        if not 0.0 <= weight < 1.0:
-            raise ValueError(f"smoothing must be in [0, 1), got {weight!r}")
-        self.smoothing_slider.value = weight
+        self.smoothing_slider.value = check_smoothing(weight)
 
     @property
     def log_scale(self) -> bool:
