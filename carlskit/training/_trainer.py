@@ -7,6 +7,7 @@ the latest one. The step itself is one pure jitted function of the model and opt
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -88,8 +89,8 @@ class Trainer:
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
+            raise ValueError(f"checkpoint_every must be a positive int, got {checkpoint_every!r}")
         self.model = model
         self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
         self.loss_fn = loss_fn
@@ -114,15 +115,19 @@ class Trainer:
         # background) shares arrays with the training state, and donated arrays are deleted.
         self._train_step = jax.jit(self._make_step())
         self._lock = threading.Lock()
+        self._fitting = False  # one fit at a time: two would interleave steps, history and checkpoints
         self.restore()
 
     # -- state -----------------------------------------------------------------------------------
     def _make_step(self):
         graphdef, loss_fn = self._graphdef, self.loss_fn
 
+        def checked_loss(model, batch):  # runs at trace time only: no cost per step
+            return _check_loss_output(loss_fn(model, batch))
+
         def train_step(state, batch):
             model, optimizer = nnx.merge(graphdef, state)
-            (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+            (loss, metrics), grads = nnx.value_and_grad(checked_loss, has_aux=True)(model, batch)
             optimizer.update(model, grads)
             return nnx.state((model, optimizer)), loss, metrics
 
@@ -150,7 +155,7 @@ class Trainer:
         self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
             self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
-        self.step = int(metadata["step"])
+        self.step = int(metadata.get("step", metadata["version"]))
         self.sync()
         return True
 
@@ -171,8 +176,11 @@ class Trainer:
         Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
         Batches the pipeline prefetched but training did not reach are dropped at the end of a fit.
         """
-        if not isinstance(steps, int) or steps < 1:
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps must be a positive int, got {steps!r}")
+        if self._fitting:
+            raise RuntimeError("this trainer is already fitting (a background fit is running); "
+                               "stop() or wait() on its FitHandle first")
         live = in_notebook() if live is None else live
         plot = None
         if live:
@@ -187,8 +195,12 @@ class Trainer:
                 plot = LivePlot("Trainer")
                 display(plot.widget)  # from the calling thread; the training thread only sets values
         stop = threading.Event()
+        self._fitting = True
         if block:
-            self._fit(data, steps, stop, progress, plot)
+            try:
+                self._fit(data, steps, stop, progress, plot)
+            finally:
+                self._fitting = False
             return self.history
         handle = None
 
@@ -197,6 +209,8 @@ class Trainer:
                 self._fit(data, steps, stop, progress, plot)
             except BaseException as error:  # surfaced by handle.wait()
                 handle.error = error
+            finally:
+                self._fitting = False
 
         thread = threading.Thread(target=run, name="carlskit-trainer", daemon=True)
         handle = FitHandle(self, thread, stop)
@@ -223,12 +237,19 @@ class Trainer:
                     batch = next(prefetcher)
                 except StopIteration:
                     break
+                if not isinstance(batch, dict):
+                    raise TypeError(f"each batch must be a dict of arrays, got {type(batch).__name__} "
+                                    f"at step {self.step + 1}")
                 statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
                 arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
                 start = time.perf_counter()
+                state, loss, metrics = self._train_step(self._state, arrays)
+                loss = float(loss)  # the step's one host sync
+                if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
+                    raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
+                                     f"the step was not applied (the model is as after step {self.step})")
                 with self._lock:
-                    self._state, loss, metrics = self._train_step(self._state, arrays)
-                loss = float(loss)
+                    self._state = state
                 self.step += 1
                 record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
                           **{k: float(v) for k, v in metrics.items()},
@@ -281,6 +302,19 @@ class Trainer:
         """Apply ``fn`` to the current model (synced from the training state)."""
         self.sync()
         return fn(self.model)
+
+
+def _check_loss_output(output: Any) -> tuple[jax.Array, dict]:
+    """``loss_fn``'s ``(loss, metrics)``, checked: a scalar loss and a dict of scalar metrics."""
+    if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict)):
+        raise TypeError(f"loss_fn must return (loss, metrics: dict), got {type(output).__name__}")
+    loss, metrics = output
+    if np.ndim(loss) != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {np.shape(loss)}")
+    shapes = {name: np.shape(value) for name, value in metrics.items() if np.ndim(value) != 0}
+    if shapes:
+        raise ValueError(f"loss_fn's metrics must be scalars, got shapes {shapes}")
+    return loss, metrics
 
 
 def _data_mesh() -> jax.sharding.Mesh | None:

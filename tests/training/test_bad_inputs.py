@@ -1,0 +1,72 @@
+"""Bad input to the trainer and the checkpoint store: a clear error, and nothing changed or half-written."""
+
+import os
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from carlskit.training import CheckpointStore, Trainer
+from test_trainer import Linear, data, mse
+
+
+def kernel(trainer):
+    return np.asarray(trainer._state[0]["linear"]["kernel"][...]).copy()
+
+
+def test_a_nan_loss_raises_and_leaves_model_step_and_checkpoints_unchanged(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt")
+    trainer = Trainer(Linear(), optax.sgd(0.1), mse, checkpoints=store, checkpoint_every=1)
+    trainer.fit(data, 2, progress=False)
+    before = kernel(trainer)
+
+    def poisoned(step):
+        batch = data(step)
+        batch["y"][0] = np.nan
+        return batch
+
+    with pytest.raises(ValueError, match="non-finite loss .* step 3"):
+        trainer.fit(poisoned, 1, progress=False)
+    assert trainer.step == 2 and len(trainer.history) == 2 and store.versions() == [1, 2]
+    np.testing.assert_array_equal(kernel(trainer), before)
+    assert np.isfinite(np.asarray(trainer.model.linear.kernel[...])).all()
+
+
+@pytest.mark.parametrize("loss_fn, message", [
+    (lambda model, batch: (model(batch["x"]), {}), r"scalar loss, got shape \(32,\)"),
+    (lambda model, batch: (jnp.mean(model(batch["x"])), {"out": model(batch["x"])}),
+     r"metrics must be scalars, got shapes \{'out': \(32,\)\}"),
+    (lambda model, batch: jnp.mean(model(batch["x"])), r"must return \(loss, metrics: dict\)"),
+])
+def test_a_malformed_loss_fn_output_is_named_and_nothing_is_applied(loss_fn, message):
+    trainer = Trainer(Linear(), optax.sgd(0.1), loss_fn)
+    before = kernel(trainer)
+    with pytest.raises((TypeError, ValueError), match=message):
+        trainer.fit(data, 1, progress=False)
+    assert trainer.step == 0 and trainer.history == []
+    np.testing.assert_array_equal(kernel(trainer), before)
+
+
+def test_argument_types_batches_and_a_second_concurrent_fit_are_errors():
+    for bad in ("5", 2.5, 0, True):
+        with pytest.raises(ValueError, match="checkpoint_every"):
+            Trainer(Linear(), optax.sgd(0.1), mse, checkpoint_every=bad)
+    trainer = Trainer(Linear(), optax.sgd(0.1), mse)
+    with pytest.raises(TypeError, match="batch must be a dict.*tuple"):
+        trainer.fit(lambda step: (1, 2), 1, progress=False)
+    release = threading.Event()
+
+    def slow(step):
+        release.wait(30)
+        return data(step)
+
+    handle = trainer.fit(slow, 3, block=False, progress=False)
+    with pytest.raises(RuntimeError, match="already fitting"):
+        trainer.fit(data, 1, progress=False)
+    release.set()
+    handle.wait()
+    assert trainer.step == 3
+    trainer.fit(data, 1, progress=False)  # allowed again once the first one ended
+    assert trainer.step == 4
