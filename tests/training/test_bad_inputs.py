@@ -70,3 +70,28 @@ def test_argument_types_batches_and_a_second_concurrent_fit_are_errors():
     assert trainer.step == 3
     trainer.fit(data, 1, progress=False)  # allowed again once the first one ended
     assert trainer.step == 4
+
+
+@pytest.mark.parametrize("tree, metadata, message", [
+    ({"w": np.zeros(2), "bad": object()}, None, r"\[.bad.\].*object arrays"),
+    ({"w": np.zeros(2), "bad": np.array([None, 1.0])}, None, r"\[.bad.\].*object arrays"),
+    ({"w": np.zeros(2)}, {"when": object()}, "metadata must be JSON-serializable"),
+    ({"w": np.zeros(2)}, ["not", "a", "dict"], "metadata must be a dict"),
+])
+def test_a_tree_that_needs_pickle_or_bad_metadata_writes_nothing(tmp_path, tree, metadata, message):
+    store = CheckpointStore(tmp_path / "ckpt")
+    store.save({"w": np.ones(2)}, version=1)
+    with pytest.raises(TypeError, match=message):
+        store.save(tree, version=2, metadata=metadata)
+    assert store.versions() == [1]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["v000000000001.json", "v000000000001.npz"]
+    store.save({"w": np.full(2, 3.0)}, version=2)  # the version is still free
+    np.testing.assert_array_equal(store.load(2)[0]["['w']"], [3.0, 3.0])
+
+
+def test_store_argument_types():
+    with pytest.raises(ValueError, match="keep"):
+        CheckpointStore("memory://rv-training-keep", keep=True)
+    store = CheckpointStore("memory://rv-training-version")
+    with pytest.raises(ValueError, match="version"):
+        store.save({"w": np.zeros(1)}, version=True)
