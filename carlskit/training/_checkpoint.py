@@ -27,6 +27,7 @@ from carlskit._serialization import (
     npz_bytes_to_arrays,
     unflatten_into,
 )
+from carlskit.training._checks import positive_int
 
 _MANIFEST = re.compile(r"^v(\d{12})\.json$")
 
@@ -43,8 +44,8 @@ class CheckpointStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, keep: int | None = 5):
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+        if keep is not None:
+            keep = positive_int(keep, "keep (or None)")
         self.path = os.fspath(path)
         self.keep = keep
         self._fs, self._root = filesystem(self.path)

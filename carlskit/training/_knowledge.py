@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from carlskit.training._checks import positive_int
 from carlskit.training._pipeline import Batch
 
 
@@ -39,12 +40,6 @@ def _batch_ids(batch: Batch, key: str, stage: str) -> np.ndarray:
     return ids.astype(np.int64)
 
 
-def _positive_int(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
 def check_embedding_dim(bank: Any, table: str, dim: int) -> None:
     """Raise ``ValueError`` at start-up when a model's embedding size differs from the bank table's."""
     expected = _table(bank, table, "embedding").get("dim")
@@ -70,7 +65,7 @@ class NeighborKnowledge:
 
     def __init__(self, bank: Any, *, max_neighbors: int, records_table: str = "nbrs",
                  embeddings_table: str = "emb", key: str = "ids"):
-        max_neighbors = _positive_int(max_neighbors, "max_neighbors")
+        max_neighbors = positive_int(max_neighbors, "max_neighbors")
         width = _table(bank, records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
         dim = _table(bank, embeddings_table, "embedding")["dim"]
         if max_neighbors > width:

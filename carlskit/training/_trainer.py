@@ -20,6 +20,7 @@ import optax
 from flax import nnx
 
 from carlskit.training._checkpoint import CheckpointStore
+from carlskit.training._checks import positive_int
 from carlskit.widgets import LivePlot, in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
 
@@ -89,8 +90,7 @@ class Trainer:
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be a positive int, got {checkpoint_every!r}")
+        checkpoint_every = positive_int(checkpoint_every, "checkpoint_every")
         self.model = model
         self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
         self.loss_fn = loss_fn
@@ -99,8 +99,7 @@ class Trainer:
             checkpoints = CheckpointStore(checkpoints)
         if checkpoints is not None and not isinstance(checkpoints, CheckpointStore):
             raise TypeError(f"checkpoints must be a CheckpointStore, a path or None, got {type(checkpoints).__name__}")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        prefetch = positive_int(prefetch, "prefetch")
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.summaries = summaries
@@ -176,8 +175,7 @@ class Trainer:
         Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
         Batches the pipeline prefetched but training did not reach are dropped at the end of a fit.
         """
-        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        steps = positive_int(steps, "steps")
         if self._fitting:
             raise RuntimeError("this trainer is already fitting (a background fit is running); "
                                "stop() or wait() on its FitHandle first")
