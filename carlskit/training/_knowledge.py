@@ -10,7 +10,7 @@ from carlskit.training._checks import positive_int
 from carlskit.training._pipeline import Batch
 
 
-def _table(bank: Any, name: str, kind: str, fields: tuple[str, ...] = ()) -> dict:
+def table_config(bank: Any, name: str, kind: str, fields: tuple[str, ...] = ()) -> dict:
     """The config of ``bank``'s table ``name``; ``ValueError`` unless it exists, is of ``kind``
     (``"embedding"`` or ``"feature"``) and, for a feature table, has exactly ``fields``."""
     tables = bank.tables
@@ -42,7 +42,7 @@ def _batch_ids(batch: Batch, key: str, stage: str) -> np.ndarray:
 
 def check_embedding_dim(bank: Any, table: str, dim: int) -> None:
     """Raise ``ValueError`` at start-up when a model's embedding size differs from the bank table's."""
-    expected = _table(bank, table, "embedding").get("dim")
+    expected = table_config(bank, table, "embedding").get("dim")
     if expected != dim:
         raise ValueError(f"the model's embedding dim {dim} differs from bank table {table!r}'s dim {expected}")
 
@@ -66,8 +66,8 @@ class NeighborKnowledge:
     def __init__(self, bank: Any, *, max_neighbors: int, records_table: str = "nbrs",
                  embeddings_table: str = "emb", key: str = "ids"):
         max_neighbors = positive_int(max_neighbors, "max_neighbors")
-        width = _table(bank, records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
-        dim = _table(bank, embeddings_table, "embedding")["dim"]
+        width = table_config(bank, records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
+        dim = table_config(bank, embeddings_table, "embedding")["dim"]
         if max_neighbors > width:
             raise ValueError(f"max_neighbors {max_neighbors} exceeds the {records_table!r} record width {width}")
         self.bank = bank
@@ -120,7 +120,7 @@ class MinedLabels:
     """
 
     def __init__(self, bank: Any, table: str = "labels", key: str = "ids"):
-        _table(bank, table, "feature", ("label", "confidence"))
+        table_config(bank, table, "feature", ("label", "confidence"))
         self.bank, self.table, self.key = bank, table, key
 
     def __call__(self, batch: Batch) -> Batch:
@@ -161,7 +161,7 @@ class BankNegatives:
         if not isinstance(tables, dict) or not tables:
             raise ValueError(f"tables must be a non-empty dict {{table: name}}, got {tables!r}")
         for table in tables:
-            _table(bank, table, "embedding")
+            table_config(bank, table, "embedding")
         candidates = np.unique(np.asarray(candidates))
         if candidates.ndim != 1 or candidates.dtype.kind not in "iu" or len(candidates) == 0:
             raise ValueError(f"candidates must be a non-empty 1-D array of int keys, got {candidates.dtype} "
