@@ -95,6 +95,8 @@ def info_nce(queries: jax.Array, positives: jax.Array, negatives: jax.Array | No
     """
     if queries.ndim != 2 or positives.shape != queries.shape:
         raise ValueError(f"expected queries and positives [B, D] of one shape, got {queries.shape}, {positives.shape}")
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     queries, positives = _unit(queries), _unit(positives)
     logits = queries @ positives.T / temperature
     if negatives is not None:

@@ -148,6 +148,8 @@ class Trainer:
 
     def restore(self, version: int | None = None) -> bool:
         """Load the latest (or given) checkpoint into the trainer; returns whether one was loaded."""
+        if self._fitting:
+            raise RuntimeError("cannot restore while a fit is running; stop() or wait() on its FitHandle first")
         if self.checkpoints is None or self.checkpoints.latest() is None:
             return False
         tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
@@ -173,12 +175,20 @@ class Trainer:
         Shows a tqdm progress bar and, in a notebook (``live=None``), a live loss plot. With
         ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
         Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
-        Batches the pipeline prefetched but training did not reach are dropped at the end of a fit.
+        Batches the pipeline prefetched but training did not reach are dropped at the end of a fit;
+        an iterable that ends early ends the fit early (``len(history)`` tells how many steps ran).
+        Raises ``ValueError`` when the store already holds a checkpoint newer than ``step`` (after
+        ``restore`` of an older version), since this run could not publish its checkpoints there.
         """
         steps = positive_int(steps, "steps")
         if self._fitting:
             raise RuntimeError("this trainer is already fitting (a background fit is running); "
                                "stop() or wait() on its FitHandle first")
+        latest = None if self.checkpoints is None else self.checkpoints.latest()
+        if latest is not None and latest > self.step:
+            raise ValueError(f"the checkpoint store {self.checkpoints.path!r} holds version {latest}, newer than "
+                             f"this trainer's step {self.step}: its checkpoints would go backwards; restore() "
+                             f"the latest version or train into another store")
         live = in_notebook() if live is None else live
         plot = None
         if live:
@@ -241,7 +251,13 @@ class Trainer:
                 statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
                 arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
                 start = time.perf_counter()
-                state, loss, metrics = self._train_step(self._state, arrays)
+                try:
+                    state, loss, metrics = self._train_step(self._state, arrays)
+                except (TypeError, ValueError) as error:  # e.g. a batch of the wrong shape for the model
+                    shapes = {k: (np.shape(v), str(getattr(v, "dtype", type(v).__name__))) for k, v in arrays.items()}
+                    kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
+                    raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
+                                      f"{error}") from error
                 loss = float(loss)  # the step's one host sync
                 if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
                     raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "

@@ -95,3 +95,24 @@ def test_store_argument_types():
     store = CheckpointStore("memory://rv-training-version")
     with pytest.raises(ValueError, match="version"):
         store.save({"w": np.zeros(1)}, version=True)
+
+
+def test_a_batch_of_the_wrong_shape_names_the_batch_and_applies_nothing():
+    trainer = Trainer(Linear(), optax.sgd(0.1), mse)
+    before = kernel(trainer)
+    wrong = {"x": np.zeros((8, 5), np.float32), "y": np.zeros(8, np.float32)}
+    with pytest.raises(TypeError, match=r"step 1 failed on the batch .*'x': \(\(8, 5\), 'float32'\)"):
+        trainer.fit([wrong], 1, progress=False)
+    assert trainer.step == 0
+    np.testing.assert_array_equal(kernel(trainer), before)
+
+
+def test_fitting_after_restoring_an_older_version_is_refused_before_any_step(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    trainer = Trainer(Linear(), optax.sgd(0.1), mse, checkpoints=store, checkpoint_every=2)
+    trainer.fit(data, 4, progress=False)
+    trainer.restore(2)
+    assert trainer.step == 2
+    with pytest.raises(ValueError, match="holds version 4, newer than this trainer's step 2"):
+        trainer.fit(data, 2, progress=False)  # used to train and silently keep the old run's v4
+    assert trainer.step == 2 and len(trainer.history) == 4 and store.versions() == [2, 4]

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from carlskit.training import graph_regularization, masked_cross_entropy, pairwise_distance
+from carlskit.training import graph_regularization, info_nce, masked_cross_entropy, pairwise_distance
 
 
 def test_distances_by_hand():
@@ -48,3 +48,8 @@ def test_shapes_that_would_broadcast_are_named_errors():
         masked_cross_entropy(logits, jnp.zeros((4, 1), int), jnp.ones(4, bool))
     with pytest.raises(TypeError, match="labels must be int"):
         masked_cross_entropy(logits, jnp.zeros(4), jnp.ones(4, bool))
+
+
+def test_info_nce_temperature_must_be_positive():
+    with pytest.raises(ValueError, match="temperature must be > 0, got 0"):
+        info_nce(jnp.ones((2, 3)), jnp.ones((2, 3)), temperature=0)
