@@ -46,8 +46,14 @@ class FitHandle:
         self.wait()
 
     def wait(self, timeout: float | None = None) -> list[dict]:
-        """Wait for the run to end; re-raise its error if it failed; return the history."""
+        """Wait for the run to end; re-raise its error if it failed; return the history.
+
+        Raises ``TimeoutError`` if it is still running after ``timeout`` seconds (the history so far
+        would look like a finished run's).
+        """
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"training still running after {timeout:g} s, at step {self.trainer.step}")
         if self.error is not None:
             raise self.error
         return self.trainer.history

@@ -116,3 +116,18 @@ def test_fitting_after_restoring_an_older_version_is_refused_before_any_step(tmp
     with pytest.raises(ValueError, match="holds version 4, newer than this trainer's step 2"):
         trainer.fit(data, 2, progress=False)  # used to train and silently keep the old run's v4
     assert trainer.step == 2 and len(trainer.history) == 4 and store.versions() == [2, 4]
+
+
+def test_wait_with_a_timeout_on_a_running_fit_raises_instead_of_returning_a_partial_history():
+    trainer = Trainer(Linear(), optax.sgd(0.1), mse)
+    release = threading.Event()
+
+    def slow(step):
+        release.wait(30)
+        return data(step)
+
+    handle = trainer.fit(slow, 2, block=False, progress=False)
+    with pytest.raises(TimeoutError, match="still running"):
+        handle.wait(timeout=0.05)
+    release.set()
+    assert len(handle.wait()) == 2
