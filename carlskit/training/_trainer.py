@@ -96,6 +96,12 @@ class Trainer:
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+        if knowledge is not None and not callable(knowledge):
+            raise TypeError(f"knowledge must be callable as knowledge(batch) -> batch, got {type(knowledge).__name__}")
+        if summaries is not None and not callable(getattr(summaries, "scalar", None)):
+            raise TypeError(f"summaries must have a scalar(name, value, step) method, got {type(summaries).__name__}")
         checkpoint_every = positive_int(checkpoint_every, "checkpoint_every")
         self.model = model
         self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)

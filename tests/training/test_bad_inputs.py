@@ -53,6 +53,10 @@ def test_argument_types_batches_and_a_second_concurrent_fit_are_errors():
     for bad in ("5", 2.5, 0, True):
         with pytest.raises(ValueError, match="checkpoint_every"):
             Trainer(Linear(), optax.sgd(0.1), mse, checkpoint_every=bad)
+    for kwargs, name in [({"loss_fn": "mse"}, "loss_fn"), ({"knowledge": 3}, "knowledge"),
+                         ({"summaries": object()}, "summaries")]:
+        with pytest.raises(TypeError, match=name):
+            Trainer(Linear(), optax.sgd(0.1), **{"loss_fn": mse, **kwargs})
     trainer = Trainer(Linear(), optax.sgd(0.1), mse)
     with pytest.raises(TypeError, match="batch must be a dict.*tuple"):
         trainer.fit(lambda step: (1, 2), 1, progress=False)
