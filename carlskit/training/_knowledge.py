@@ -17,12 +17,13 @@ def table_config(bank: Any, name: str, kind: str, fields: tuple[str, ...] = ()) 
     if name not in tables:
         raise ValueError(f"the bank has no table {name!r} (tables: {sorted(tables)})")
     config = tables[name]
+    wanted = f"a feature table with fields {' and '.join(fields)}" if fields else \
+        f"{'an' if kind == 'embedding' else 'a'} {kind} table"
     if config.get("kind") != kind:
-        raise ValueError(f"table {name!r} must be {'an' if kind == 'embedding' else 'a'} {kind} table, "
-                         f"got a {config.get('kind')} table")
+        raise ValueError(f"table {name!r} must be {wanted}, got {'an' if config.get('kind') == 'embedding' else 'a'} "
+                         f"{config.get('kind')} table")
     if fields and set(config.get("schema") or {}) != set(fields):
-        raise ValueError(f"table {name!r} must be a feature table with fields {sorted(fields)}, "
-                         f"got {sorted(config.get('schema') or {})}")
+        raise ValueError(f"table {name!r} must be {wanted}, got fields {sorted(config.get('schema') or {})}")
     return config
 
 
