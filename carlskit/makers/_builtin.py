@@ -11,6 +11,29 @@ import numpy as np
 from flax import nnx
 
 from carlskit.makers._maker import MakerContext
+from carlskit.training._checks import positive_int
+from carlskit.training._knowledge import table_config
+
+
+def _item_features(features: Any) -> tuple[np.ndarray | dict[str, np.ndarray], int]:
+    """``features`` (one array [n, ...] or a non-empty dict of them, all of n rows) and n."""
+    if isinstance(features, dict):
+        if not features:
+            raise ValueError("features must be an array [n, ...] or a non-empty dict of them, got {}")
+        arrays = {name: np.asarray(values) for name, values in features.items()}
+    else:
+        arrays = {"features": np.asarray(features)}
+    rows = {name: values.shape[0] if values.ndim else None for name, values in arrays.items()}
+    if None in rows.values() or 0 in rows.values() or len(set(rows.values())) != 1:
+        raise ValueError(f"features must be non-empty arrays [n, ...] of one n, got rows {rows}")
+    return (arrays if isinstance(features, dict) else arrays["features"]), next(iter(rows.values()))
+
+
+def _check_items(items: np.ndarray, num_rows: int, maker: str) -> None:
+    """Items index feature rows: one outside [0, num_rows) would fail or, if negative, silently read another row."""
+    if len(items) and (items.min() < 0 or items.max() >= num_rows):
+        raise ValueError(f"{maker}: items must be row indices of features in [0, {num_rows}), got items in "
+                         f"[{items.min()}, {items.max()}]")
 
 
 class EmbeddingMaker:
@@ -25,12 +48,16 @@ class EmbeddingMaker:
 
     def __init__(self, model_factory: Callable[[], nnx.Module], encode: Callable,
                  features: np.ndarray | dict[str, np.ndarray], *, table: str = "emb", batch_size: int = 1024):
+        if not callable(model_factory) or not callable(encode):
+            raise TypeError(f"model_factory and encode must be callable, got {type(model_factory).__name__} "
+                            f"and {type(encode).__name__}")
+        if not isinstance(table, str):
+            raise TypeError(f"table must be a table name (str), got {type(table).__name__}")
         self.model_factory = model_factory
         self.encode = encode
-        self.features = ({name: np.asarray(values) for name, values in features.items()}
-                         if isinstance(features, dict) else np.asarray(features))
+        self.features, self.num_rows = _item_features(features)
         self.table = table
-        self.batch_size = batch_size
+        self.batch_size = positive_int(batch_size, "batch_size")
         self._model = None
         self._encode = None
         self._lock = threading.Lock()
@@ -52,6 +79,7 @@ class EmbeddingMaker:
     def _encode_all(self, context: MakerContext) -> dict[str, np.ndarray]:
         """Restore the checkpoint into this maker's model copy and encode every item, in batches;
         returns ``{name: [n, ...]}`` (one array from ``encode`` is named ``self.table``)."""
+        _check_items(context.items, self.num_rows, type(self).__name__)
         if self._model is None:
             self._model = self.model_factory()
             graphdef = nnx.graphdef(self._model)
@@ -125,12 +153,15 @@ class AgreementMaker(EmbeddingMaker):
 
     def __init__(self, model_factory: Callable[[], nnx.Module], features: np.ndarray, neighbor_ids: np.ndarray,
                  *, table: str = "nbrs", batch_size: int = 1024):
-        neighbor_ids = np.asarray(neighbor_ids)
-        if neighbor_ids.ndim != 2 or neighbor_ids.shape[0] != len(features) or \
-                not np.issubdtype(neighbor_ids.dtype, np.integer):
-            raise ValueError(f"neighbor_ids must be an int array [{len(features)}, W], got "
-                             f"{neighbor_ids.dtype} {neighbor_ids.shape}")
         super().__init__(model_factory, _embed, features, table=table, batch_size=batch_size)
+        neighbor_ids = np.asarray(neighbor_ids)
+        if neighbor_ids.ndim != 2 or neighbor_ids.shape[0] != self.num_rows or \
+                not np.issubdtype(neighbor_ids.dtype, np.integer):
+            raise ValueError(f"neighbor_ids must be an int array [{self.num_rows}, W], got "
+                             f"{neighbor_ids.dtype} {neighbor_ids.shape}")
+        if neighbor_ids.size and (neighbor_ids.min() < -1 or neighbor_ids.max() >= self.num_rows):
+            raise ValueError(f"neighbor_ids must be rows of features in [0, {self.num_rows}) or -1 (padding), "
+                             f"got values in [{neighbor_ids.min()}, {neighbor_ids.max()}]")
         self.neighbor_ids = neighbor_ids.astype(np.int64)
 
     @staticmethod
@@ -138,6 +169,7 @@ class AgreementMaker(EmbeddingMaker):
         return {"ids": ("int64", width), "weights": ("float32", width)}
 
     def _encode_items(self, context: MakerContext) -> None:
+        _check_items(context.items, self.num_rows, type(self).__name__)
         ids = self.neighbor_ids[context.items]
         real = ids >= 0
         needed = np.unique(np.concatenate([context.items, ids[real]]))
@@ -163,18 +195,21 @@ class NeighborMaker:
     """
 
     def __init__(self, k: int, *, table: str = "emb", records_table: str = "nbrs", metric: str = "cosine"):
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        k = positive_int(k, "k")
+        if not isinstance(table, str) or not isinstance(records_table, str):
+            raise TypeError(f"table and records_table must be table names (str), got {table!r}, {records_table!r}")
         self.k, self.table, self.records_table, self.metric = k, table, records_table, metric
 
     def __call__(self, context: MakerContext) -> bool:
         bank: Any = context.bank
+        width = table_config(bank, self.records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
+        if self.k > width:  # checked before reading anything, not a broadcasting error after nearest()
+            raise ValueError(f"NeighborMaker k={self.k} exceeds the {self.records_table!r} record width {width}")
         embeddings, found = bank.lookup(self.table, context.items)
         items = context.items[found]
         if len(items) == 0:
             return False  # no embeddings yet (the embedding maker has not written them): retry
         neighbors, _ = bank.nearest(self.table, embeddings[found], k=self.k, metric=self.metric, exclude=items)
-        width = bank.tables[self.records_table]["schema"]["ids"][1]
         ids = np.full((len(items), width), -1, np.int64)
         ids[:, : self.k] = neighbors
         weights = (ids >= 0).astype(np.float32)

@@ -22,6 +22,7 @@ import numpy as np
 
 from carlskit.cluster._supervised import LongRunningTasks, secede_if_on_worker, stop_flag
 from carlskit.training._checkpoint import CheckpointStore, restore_model
+from carlskit.training._checks import positive_float, positive_int
 
 logger = logging.getLogger("carlskit.makers")
 
@@ -105,13 +106,17 @@ class Maker:
         items = np.asarray(items)
         if items.ndim != 1 or not np.issubdtype(items.dtype, np.integer) or len(items) == 0:
             raise ValueError(f"items must be a non-empty 1-D int array, got {items.dtype} {items.shape}")
-        if not 1 <= num_slices <= len(items):
-            raise ValueError(f"num_slices must be in [1, {len(items)}], got {num_slices}")
+        if positive_int(num_slices, "num_slices") > len(items):
+            raise ValueError(f"num_slices must be in [1, {len(items)}] (one item per slice at least), got {num_slices}")
+        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
+            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.fn = fn
         self.items = items.astype(np.int64)
-        self.num_slices = num_slices
+        self.num_slices = int(num_slices)
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
-        self.poll_seconds = poll_seconds
+        self.poll_seconds = positive_float(poll_seconds, "poll_seconds")
         self.workers = workers
         self.max_restarts = max_restarts
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"

@@ -27,6 +27,7 @@ from carlskit._serialization import (
     npz_bytes_to_arrays,
     unflatten_into,
 )
+from carlskit.training._checks import positive_int
 
 _MANIFEST = re.compile(r"^v(\d{12})\.json$")
 
@@ -43,8 +44,8 @@ class CheckpointStore:
     """
 
     def __init__(self, path: str | os.PathLike, *, keep: int | None = 5):
-        if keep is not None and (not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be a positive int or None, got {keep!r}")
+        if keep is not None:
+            keep = positive_int(keep, "keep (or None)")
         self.path = os.fspath(path)
         self.keep = keep
         self._fs, self._root = filesystem(self.path)
@@ -69,15 +70,23 @@ class CheckpointStore:
     def save(self, tree: Any, *, version: int, metadata: dict | None = None) -> int:
         """Publish ``tree`` (any pytree of arrays) as ``version``; returns the version.
 
-        Raises ``ValueError`` if ``version`` is negative or not newer than the latest one.
+        Raises ``ValueError`` if ``version`` is negative or not newer than the latest one, and
+        ``TypeError`` for a leaf that is not an array of numbers, bools or strings (it would need
+        pickle) or metadata that is not a JSON-serializable dict; nothing is written then.
         """
-        if not isinstance(version, (int, np.integer)) or version < 0:
+        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
             raise ValueError(f"version must be a non-negative int, got {version!r}")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"metadata must be a dict or None, got {type(metadata).__name__}")
         version = int(version)
         latest = self.latest()
         if latest is not None and version <= latest:
             raise ValueError(f"version {version} is not newer than the latest checkpoint {latest}")
         arrays, key_impls = flatten_pytree(tree)
+        objects = [name for name, leaf in arrays.items() if leaf.dtype.kind == "O"]
+        if objects:  # np.savez would pickle them, and load (allow_pickle=False) could never read them
+            raise TypeError(f"checkpoint leaves must be arrays of numbers, bools or strings; leaves "
+                            f"{sorted(objects)[:5]} are object arrays (e.g. None or a Python object inside)")
         manifest = {
             "format": "carlskit-checkpoint/1",
             "version": version,
@@ -86,8 +95,12 @@ class CheckpointStore:
             "key_impls": key_impls,
             "metadata": metadata or {},
         }
+        try:
+            manifest_bytes = dumps_json(manifest)  # before writing anything: no orphan .npz
+        except (TypeError, ValueError) as error:
+            raise TypeError(f"metadata must be JSON-serializable: {error}") from error
         atomic_write(self._fs, self._file(version, "npz"), arrays_to_npz_bytes(arrays))
-        atomic_write(self._fs, self._file(version, "json"), dumps_json(manifest))
+        atomic_write(self._fs, self._file(version, "json"), manifest_bytes)
         self._prune()
         return version
 

@@ -6,15 +6,44 @@ from typing import Any
 
 import numpy as np
 
+from carlskit.training._checks import positive_int
 from carlskit.training._pipeline import Batch
+
+
+def table_config(bank: Any, name: str, kind: str, fields: tuple[str, ...] = ()) -> dict:
+    """The config of ``bank``'s table ``name``; ``ValueError`` unless it exists, is of ``kind``
+    (``"embedding"`` or ``"feature"``) and, for a feature table, has exactly ``fields``."""
+    tables = bank.tables
+    if name not in tables:
+        raise ValueError(f"the bank has no table {name!r} (tables: {sorted(tables)})")
+    config = tables[name]
+    wanted = f"a feature table with fields {' and '.join(fields)}" if fields else \
+        f"{'an' if kind == 'embedding' else 'a'} {kind} table"
+    if config.get("kind") != kind:
+        raise ValueError(f"table {name!r} must be {wanted}, got {'an' if config.get('kind') == 'embedding' else 'a'} "
+                         f"{config.get('kind')} table")
+    if fields and set(config.get("schema") or {}) != set(fields):
+        raise ValueError(f"table {name!r} must be {wanted}, got fields {sorted(config.get('schema') or {})}")
+    return config
+
+
+def _batch_ids(batch: Batch, key: str, stage: str) -> np.ndarray:
+    """``batch[key]`` as int64 item ids [B]; a missing key, a float or a non-1-D array is an error
+    (casting floats would silently look up truncated ids)."""
+    if not isinstance(batch, dict) or key not in batch:
+        have = sorted(batch) if isinstance(batch, dict) else type(batch).__name__
+        raise ValueError(f"{stage} reads item ids from batch[{key!r}], which the batch lacks (it has {have})")
+    ids = np.asarray(batch[key])
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{stage}: batch[{key!r}] must hold int item ids, got dtype {ids.dtype}")
+    if ids.ndim != 1:
+        raise ValueError(f"{stage}: batch[{key!r}] must be 1-D item ids [B], got shape {ids.shape}")
+    return ids.astype(np.int64)
 
 
 def check_embedding_dim(bank: Any, table: str, dim: int) -> None:
     """Raise ``ValueError`` at start-up when a model's embedding size differs from the bank table's."""
-    tables = bank.tables
-    if table not in tables:
-        raise ValueError(f"the bank has no table {table!r} (tables: {sorted(tables)})")
-    expected = tables[table].get("dim")
+    expected = table_config(bank, table, "embedding").get("dim")
     if expected != dim:
         raise ValueError(f"the model's embedding dim {dim} differs from bank table {table!r}'s dim {expected}")
 
@@ -37,13 +66,9 @@ class NeighborKnowledge:
 
     def __init__(self, bank: Any, *, max_neighbors: int, records_table: str = "nbrs",
                  embeddings_table: str = "emb", key: str = "ids"):
-        if max_neighbors < 1:
-            raise ValueError(f"max_neighbors must be >= 1, got {max_neighbors}")
-        tables = bank.tables
-        for table in (records_table, embeddings_table):
-            if table not in tables:
-                raise ValueError(f"the bank has no table {table!r} (tables: {sorted(tables)})")
-        width = tables[records_table]["schema"]["ids"][1]
+        max_neighbors = positive_int(max_neighbors, "max_neighbors")
+        width = table_config(bank, records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
+        dim = table_config(bank, embeddings_table, "embedding")["dim"]
         if max_neighbors > width:
             raise ValueError(f"max_neighbors {max_neighbors} exceeds the {records_table!r} record width {width}")
         self.bank = bank
@@ -51,11 +76,11 @@ class NeighborKnowledge:
         self.records_table = records_table
         self.embeddings_table = embeddings_table
         self.key = key
-        self.dim = tables[embeddings_table]["dim"]
+        self.dim = dim
         self.missing_total = 0
 
     def __call__(self, batch: Batch) -> Batch:
-        ids = np.asarray(batch[self.key], dtype=np.int64)
+        ids = _batch_ids(batch, self.key, "NeighborKnowledge")
         records, found = self.bank.lookup(self.records_table, ids)
         neighbors = records["ids"][:, : self.max_neighbors]
         weights = records["weights"][:, : self.max_neighbors] * found[:, None]
@@ -96,17 +121,11 @@ class MinedLabels:
     """
 
     def __init__(self, bank: Any, table: str = "labels", key: str = "ids"):
-        tables = bank.tables
-        if table not in tables:
-            raise ValueError(f"the bank has no table {table!r} (tables: {sorted(tables)})")
-        schema = tables[table].get("schema") or {}
-        if set(schema) != {"label", "confidence"}:
-            raise ValueError(f"table {table!r} must be a feature table with fields label and confidence, "
-                             f"got {sorted(schema)}")
+        table_config(bank, table, "feature", ("label", "confidence"))
         self.bank, self.table, self.key = bank, table, key
 
     def __call__(self, batch: Batch) -> Batch:
-        ids = np.asarray(batch[self.key], dtype=np.int64)
+        ids = _batch_ids(batch, self.key, "MinedLabels")
         records, found = self.bank.lookup(self.table, ids)
         version = np.nan
         if found.any():
@@ -142,17 +161,14 @@ class BankNegatives:
                  key: str = "ids", seed: int = 0):
         if not isinstance(tables, dict) or not tables:
             raise ValueError(f"tables must be a non-empty dict {{table: name}}, got {tables!r}")
-        known = bank.tables
         for table in tables:
-            if table not in known:
-                raise ValueError(f"the bank has no table {table!r} (tables: {sorted(known)})")
-            if known[table].get("kind") != "embedding":
-                raise ValueError(f"table {table!r} must be an embedding table")
+            table_config(bank, table, "embedding")
         candidates = np.unique(np.asarray(candidates))
         if candidates.ndim != 1 or candidates.dtype.kind not in "iu" or len(candidates) == 0:
             raise ValueError(f"candidates must be a non-empty 1-D array of int keys, got {candidates.dtype} "
                              f"{candidates.shape}")
-        if not isinstance(num_negatives, int) or not 1 <= num_negatives < len(candidates):
+        if isinstance(num_negatives, bool) or not isinstance(num_negatives, int) or \
+                not 1 <= num_negatives < len(candidates):
             raise ValueError(f"num_negatives must be an int in [1, {len(candidates) - 1}], got {num_negatives!r}")
         self.bank, self.tables, self.key = bank, dict(tables), key
         self.num_negatives = num_negatives
@@ -171,7 +187,7 @@ class BankNegatives:
         return keys[: self.num_negatives]
 
     def __call__(self, batch: Batch) -> Batch:
-        positives = np.asarray(batch[self.key], dtype=np.int64)
+        positives = _batch_ids(batch, self.key, "BankNegatives")
         negatives = self.sample(positives)
         keys = np.concatenate([negatives, positives])
         found = np.ones(len(keys), bool)

@@ -16,6 +16,10 @@ def pairwise_distance(samples: jax.Array, neighbors: jax.Array, distance: str = 
     """
     if distance not in DISTANCES:
         raise ValueError(f"distance must be one of {DISTANCES}, got {distance!r}")
+    if samples.ndim != 2 or neighbors.ndim != 3 or neighbors.shape[0] != samples.shape[0] \
+            or neighbors.shape[2] != samples.shape[1]:  # a [1, K, D] would broadcast silently
+        raise ValueError(f"expected samples [B, D] and neighbors [B, K, D] of the same B and D; got "
+                         f"samples {samples.shape}, neighbors {neighbors.shape}")
     difference = samples[:, None, :] - neighbors
     if distance == "l2":
         return jnp.sum(difference**2, axis=-1)
@@ -35,17 +39,26 @@ def graph_regularization(
     ``neighbors`` are the bank's embeddings of the neighbours (constants: no gradient flows into
     them); padding and neighbours missing from the bank carry weight 0.
     """
-    if samples.ndim != 2 or neighbors.ndim != 3 or weights.shape != neighbors.shape[:2]:
+    if samples.ndim != 2 or neighbors.ndim != 3 or weights.shape != (samples.shape[0], neighbors.shape[1]) \
+            or neighbors.shape[::2] != samples.shape:
         raise ValueError(
-            f"expected samples [B, D], neighbors [B, K, D], weights [B, K]; got {samples.shape}, "
-            f"{neighbors.shape}, {weights.shape}"
+            f"expected samples [B, D], neighbors [B, K, D], weights [B, K]; got samples {samples.shape}, "
+            f"neighbors {neighbors.shape}, weights {weights.shape}"
         )
     distances = pairwise_distance(samples, jax.lax.stop_gradient(neighbors), distance)
     return jnp.mean(jnp.sum(weights * distances, axis=-1))
 
 
 def masked_cross_entropy(logits: jax.Array, labels: jax.Array, mask: jax.Array) -> jax.Array:
-    """Mean softmax cross-entropy over the items where ``mask`` is true (0 when none is)."""
+    """Mean softmax cross-entropy over the items where ``mask`` is true (0 when none is).
+
+    ``logits`` [B, C], ``labels`` [B] int, ``mask`` [B]: mean over {i: mask_i} of -log softmax(logits_i)[labels_i].
+    """
+    if logits.ndim != 2 or jnp.shape(labels) != logits.shape[:1] or jnp.shape(mask) != logits.shape[:1]:
+        raise ValueError(f"expected logits [B, C], labels [B] and mask [B]; got logits {logits.shape}, "
+                         f"labels {jnp.shape(labels)}, mask {jnp.shape(mask)}")
+    if not jnp.issubdtype(jnp.result_type(labels), jnp.integer):
+        raise TypeError(f"labels must be int class indices, got dtype {jnp.result_type(labels)}")
     safe_labels = jnp.where(mask, labels, 0)
     losses = -jnp.take_along_axis(jax.nn.log_softmax(logits), safe_labels[:, None], axis=-1)[:, 0]
     mask = mask.astype(logits.dtype)
@@ -82,6 +95,8 @@ def info_nce(queries: jax.Array, positives: jax.Array, negatives: jax.Array | No
     """
     if queries.ndim != 2 or positives.shape != queries.shape:
         raise ValueError(f"expected queries and positives [B, D] of one shape, got {queries.shape}, {positives.shape}")
+    if isinstance(temperature, (int, float)) and not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature!r}")
     queries, positives = _unit(queries), _unit(positives)
     logits = queries @ positives.T / temperature
     if negatives is not None:

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from carlskit.training._checks import positive_int
+
 Batch = dict[str, Any]
 
 _DONE = object()
@@ -23,8 +25,7 @@ class Prefetcher:
 
     def __init__(self, source: Callable[[], Batch], knowledge: Callable[[Batch], Batch] | None = None,
                  depth: int = 2):
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1, got {depth}")
+        depth = positive_int(depth, "depth")
         self._source = source
         self._knowledge = knowledge
         self._queue: queue.Queue = queue.Queue(maxsize=depth)

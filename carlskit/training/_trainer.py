@@ -7,6 +7,7 @@ the latest one. The step itself is one pure jitted function of the model and opt
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -19,6 +20,7 @@ import optax
 from flax import nnx
 
 from carlskit.training._checkpoint import CheckpointStore
+from carlskit.training._checks import positive_int
 from carlskit.widgets import LivePlot, in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
 
@@ -44,8 +46,14 @@ class FitHandle:
         self.wait()
 
     def wait(self, timeout: float | None = None) -> list[dict]:
-        """Wait for the run to end; re-raise its error if it failed; return the history."""
+        """Wait for the run to end; re-raise its error if it failed; return the history.
+
+        Raises ``TimeoutError`` if it is still running after ``timeout`` seconds (the history so far
+        would look like a finished run's).
+        """
         self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"training still running after {timeout:g} s, at step {self.trainer.step}")
         if self.error is not None:
             raise self.error
         return self.trainer.history
@@ -88,8 +96,13 @@ class Trainer:
             raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
         if not isinstance(optimizer, optax.GradientTransformation):
             raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
-        if checkpoint_every < 1:
-            raise ValueError(f"checkpoint_every must be >= 1, got {checkpoint_every}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
+        if knowledge is not None and not callable(knowledge):
+            raise TypeError(f"knowledge must be callable as knowledge(batch) -> batch, got {type(knowledge).__name__}")
+        if summaries is not None and not callable(getattr(summaries, "scalar", None)):
+            raise TypeError(f"summaries must have a scalar(name, value, step) method, got {type(summaries).__name__}")
+        checkpoint_every = positive_int(checkpoint_every, "checkpoint_every")
         self.model = model
         self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
         self.loss_fn = loss_fn
@@ -98,8 +111,7 @@ class Trainer:
             checkpoints = CheckpointStore(checkpoints)
         if checkpoints is not None and not isinstance(checkpoints, CheckpointStore):
             raise TypeError(f"checkpoints must be a CheckpointStore, a path or None, got {type(checkpoints).__name__}")
-        if not isinstance(prefetch, int) or prefetch < 1:
-            raise ValueError(f"prefetch must be a positive int, got {prefetch!r}")
+        prefetch = positive_int(prefetch, "prefetch")
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.summaries = summaries
@@ -114,15 +126,19 @@ class Trainer:
         # background) shares arrays with the training state, and donated arrays are deleted.
         self._train_step = jax.jit(self._make_step())
         self._lock = threading.Lock()
+        self._fitting = False  # one fit at a time: two would interleave steps, history and checkpoints
         self.restore()
 
     # -- state -----------------------------------------------------------------------------------
     def _make_step(self):
         graphdef, loss_fn = self._graphdef, self.loss_fn
 
+        def checked_loss(model, batch):  # runs at trace time only: no cost per step
+            return _check_loss_output(loss_fn(model, batch))
+
         def train_step(state, batch):
             model, optimizer = nnx.merge(graphdef, state)
-            (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+            (loss, metrics), grads = nnx.value_and_grad(checked_loss, has_aux=True)(model, batch)
             optimizer.update(model, grads)
             return nnx.state((model, optimizer)), loss, metrics
 
@@ -144,13 +160,15 @@ class Trainer:
 
     def restore(self, version: int | None = None) -> bool:
         """Load the latest (or given) checkpoint into the trainer; returns whether one was loaded."""
+        if self._fitting:
+            raise RuntimeError("cannot restore while a fit is running; stop() or wait() on its FitHandle first")
         if self.checkpoints is None or self.checkpoints.latest() is None:
             return False
         tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
         self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
             self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
-        self.step = int(metadata["step"])
+        self.step = int(metadata.get("step", metadata["version"]))
         self.sync()
         return True
 
@@ -169,10 +187,20 @@ class Trainer:
         Shows a tqdm progress bar and, in a notebook (``live=None``), a live loss plot. With
         ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
         Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
-        Batches the pipeline prefetched but training did not reach are dropped at the end of a fit.
+        Batches the pipeline prefetched but training did not reach are dropped at the end of a fit;
+        an iterable that ends early ends the fit early (``len(history)`` tells how many steps ran).
+        Raises ``ValueError`` when the store already holds a checkpoint newer than ``step`` (after
+        ``restore`` of an older version), since this run could not publish its checkpoints there.
         """
-        if not isinstance(steps, int) or steps < 1:
-            raise ValueError(f"steps must be a positive int, got {steps!r}")
+        steps = positive_int(steps, "steps")
+        if self._fitting:
+            raise RuntimeError("this trainer is already fitting (a background fit is running); "
+                               "stop() or wait() on its FitHandle first")
+        latest = None if self.checkpoints is None else self.checkpoints.latest()
+        if latest is not None and latest > self.step:
+            raise ValueError(f"the checkpoint store {self.checkpoints.path!r} holds version {latest}, newer than "
+                             f"this trainer's step {self.step}: its checkpoints would go backwards; restore() "
+                             f"the latest version or train into another store")
         live = in_notebook() if live is None else live
         plot = None
         if live:
@@ -187,8 +215,12 @@ class Trainer:
                 plot = LivePlot("Trainer")
                 display(plot.widget)  # from the calling thread; the training thread only sets values
         stop = threading.Event()
+        self._fitting = True
         if block:
-            self._fit(data, steps, stop, progress, plot)
+            try:
+                self._fit(data, steps, stop, progress, plot)
+            finally:
+                self._fitting = False
             return self.history
         handle = None
 
@@ -197,6 +229,8 @@ class Trainer:
                 self._fit(data, steps, stop, progress, plot)
             except BaseException as error:  # surfaced by handle.wait()
                 handle.error = error
+            finally:
+                self._fitting = False
 
         thread = threading.Thread(target=run, name="carlskit-trainer", daemon=True)
         handle = FitHandle(self, thread, stop)
@@ -223,12 +257,25 @@ class Trainer:
                     batch = next(prefetcher)
                 except StopIteration:
                     break
+                if not isinstance(batch, dict):
+                    raise TypeError(f"each batch must be a dict of arrays, got {type(batch).__name__} "
+                                    f"at step {self.step + 1}")
                 statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
                 arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
                 start = time.perf_counter()
+                try:
+                    state, loss, metrics = self._train_step(self._state, arrays)
+                except (TypeError, ValueError) as error:  # e.g. a batch of the wrong shape for the model
+                    shapes = {k: (np.shape(v), str(getattr(v, "dtype", type(v).__name__))) for k, v in arrays.items()}
+                    kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
+                    raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
+                                      f"{error}") from error
+                loss = float(loss)  # the step's one host sync
+                if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
+                    raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
+                                     f"the step was not applied (the model is as after step {self.step})")
                 with self._lock:
-                    self._state, loss, metrics = self._train_step(self._state, arrays)
-                loss = float(loss)
+                    self._state = state
                 self.step += 1
                 record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
                           **{k: float(v) for k, v in metrics.items()},
@@ -281,6 +328,19 @@ class Trainer:
         """Apply ``fn`` to the current model (synced from the training state)."""
         self.sync()
         return fn(self.model)
+
+
+def _check_loss_output(output: Any) -> tuple[jax.Array, dict]:
+    """``loss_fn``'s ``(loss, metrics)``, checked: a scalar loss and a dict of scalar metrics."""
+    if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict)):
+        raise TypeError(f"loss_fn must return (loss, metrics: dict), got {type(output).__name__}")
+    loss, metrics = output
+    if np.ndim(loss) != 0:
+        raise ValueError(f"loss_fn must return a scalar loss, got shape {np.shape(loss)}")
+    shapes = {name: np.shape(value) for name, value in metrics.items() if np.ndim(value) != 0}
+    if shapes:
+        raise ValueError(f"loss_fn's metrics must be scalars, got shapes {shapes}")
+    return loss, metrics
 
 
 def _data_mesh() -> jax.sharding.Mesh | None:
