@@ -6,47 +6,14 @@ Every error names the argument (and, for pytrees, the leaf path) and what was ex
 
 from __future__ import annotations
 
-import math
-import numbers
 from typing import Any, Iterable
 
 import jax
 import numpy as np
 
+from carlskit._checks import finite_float, integer, positive_float, positive_int  # noqa: F401 (re-exported)
+
 PyTree = Any
-
-
-def integer(value: Any, name: str, minimum: int = 1) -> int:
-    """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int >= {minimum}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
-    return int(value)
-
-
-def positive_int(value: Any, name: str) -> int:
-    """``value`` as an ``int`` if it is an integer (not a bool) ``>= 1``; else TypeError/ValueError naming ``name``."""
-    return integer(value, name, 1)
-
-
-def finite_float(value: Any, name: str, *, minimum: float | None = None, positive: bool = False) -> float:
-    """``value`` as a finite ``float`` (``> 0`` if ``positive``, ``>= minimum`` if given)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {value!r}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value!r}")
-    if positive and value <= 0.0:
-        raise ValueError(f"{name} must be > 0, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return value
-
-
-def positive_float(value: Any, name: str) -> float:
-    """``value`` as a finite ``float > 0``; else TypeError/ValueError naming ``name``."""
-    return finite_float(value, name, positive=True)
 
 
 def positive_ints(values: Iterable[Any], name: str, *, allow_empty: bool = False) -> tuple[int, ...]:

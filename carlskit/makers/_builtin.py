@@ -11,7 +11,7 @@ import numpy as np
 from flax import nnx
 
 from carlskit.makers._maker import MakerContext
-from carlskit.training._checks import positive_int
+from carlskit._checks import positive_int
 from carlskit.training._knowledge import table_config
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from carlskit.cluster._supervised import LongRunningTasks, secede_if_on_worker, stop_flag
 from carlskit.training._checkpoint import CheckpointStore, restore_model
-from carlskit.training._checks import positive_float, positive_int
+from carlskit._checks import positive_float, positive_int
 
 logger = logging.getLogger("carlskit.makers")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._gating import check_positive_int
+from carlskit._checks import positive_int
 
 
 def toy_multilingual_corpus(
@@ -29,7 +29,7 @@ def toy_multilingual_corpus(
     """
     for name, value in (("num_sequences", num_sequences), ("length", length), ("num_languages", num_languages),
                         ("vocab_size", vocab_size), ("branching", branching)):
-        check_positive_int(name, value)
+        positive_int(value, name)
     if vocab_size < 2:
         raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
     tables = np.random.default_rng(seed)

@@ -18,6 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from carlskit._checks import positive_float, positive_int
+
 SECOND_EXPERT_POLICIES = ("random", "all", "none")
 ROUTERS = ("top2", "top1", "expert_choice")
 
@@ -74,22 +76,6 @@ jax.tree_util.register_dataclass(
 )
 
 
-def check_positive_int(name: str, value: Any) -> int:
-    """``value`` as an int >= 1 (Python or NumPy integer, not bool), else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)
-
-
-def check_positive_float(name: str, value: Any) -> float:
-    """``value`` as a finite float > 0, else a ValueError naming it."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not (
-        0 < value < math.inf
-    ):
-        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
-    return float(value)
-
-
 def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, k: int = 2) -> int:
     """Expert buffer size per group: ``C = ceil(k * S * capacity_factor / E)`` (GShard 2.2).
 
@@ -97,10 +83,10 @@ def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, k
     most ``S`` (an expert never receives more than S tokens of a group: a token's k choices are
     distinct experts).
     """
-    group_size = check_positive_int("group_size", group_size)
-    num_experts = check_positive_int("num_experts", num_experts)
-    k = check_positive_int("k", k)
-    capacity_factor = check_positive_float("capacity_factor", capacity_factor)
+    group_size = positive_int(group_size, "group_size")
+    num_experts = positive_int(num_experts, "num_experts")
+    k = positive_int(k, "k")
+    capacity_factor = positive_float(capacity_factor, "capacity_factor")
     capacity = math.ceil(k * group_size * capacity_factor / num_experts - 1e-9)
     return int(min(group_size, max(1, capacity)))
 
@@ -113,7 +99,7 @@ def _check_logits(logits: jax.Array, capacity: int, *, min_experts: int = 1) -> 
             f"logits must have shape [groups, group_size >= 1, num_experts >= {min_experts}], "
             f"got {shape if shape is not None else type(logits).__name__}"
         )
-    return check_positive_int("capacity", capacity)
+    return positive_int(capacity, "capacity")
 
 
 def _exclusive_cumsum(mask: jax.Array) -> jax.Array:

@@ -12,9 +12,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
+from carlskit._checks import positive_float, positive_int
+
 from ._dispatch import DISPATCH_MODES, combine, dispatch
 from ._gating import (
-    ROUTERS, SECOND_EXPERT_POLICIES, Routing, check_positive_float, check_positive_int, expert_capacity,
+    ROUTERS, SECOND_EXPERT_POLICIES, Routing, expert_capacity,
     experts_per_token, route,
 )
 from ._sharding import DATA_AXIS, EXPERT_AXIS, split
@@ -81,10 +83,10 @@ class MoEFeedForward(nnx.Module):
             )
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-        num_experts = check_positive_int("num_experts", num_experts)
-        capacity_factor = check_positive_float("capacity_factor", capacity_factor)
+        num_experts = positive_int(num_experts, "num_experts")
+        capacity_factor = positive_float(capacity_factor, "capacity_factor")
         if group_size is not None:
-            group_size = check_positive_int("group_size", group_size)
+            group_size = positive_int(group_size, "group_size")
         if router == "top2" and num_experts < 2:
             raise ValueError('router="top2" needs num_experts >= 2 (two distinct experts per token), got 1')
         if mesh is not None and num_experts % mesh.shape.get(EXPERT_AXIS, 1):
@@ -181,7 +183,7 @@ class CausalSelfAttention(nnx.Module):
     """Multi-head causal self-attention (Vaswani et al. 2017, 3.2; no biases)."""
 
     def __init__(self, d_model: int, num_heads: int, *, rngs: nnx.Rngs):
-        d_model, num_heads = check_positive_int("d_model", d_model), check_positive_int("num_heads", num_heads)
+        d_model, num_heads = positive_int(d_model, "d_model"), positive_int(num_heads, "num_heads")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         head_dim = d_model // num_heads

@@ -13,8 +13,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from carlskit._checks import positive_float, positive_int
+
 from ._dispatch import DISPATCH_MODES
-from ._gating import SECOND_EXPERT_POLICIES, check_positive_float, check_positive_int, experts_per_token
+from ._gating import SECOND_EXPERT_POLICIES, experts_per_token
 from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _scaled_normal
 from ._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
 
@@ -60,14 +62,14 @@ class MoEModel(nnx.Module):
     ):
         for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers), ("d_model", d_model),
                             ("num_heads", num_heads), ("max_length", max_length)):
-            check_positive_int(name, value)
+            positive_int(value, name)
         if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 0:
             raise ValueError(f"num_experts must be an int >= 0 (0 = dense baseline), got {num_experts!r}")
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         # Checked here even when unused (num_experts=0), so a typo never passes silently.
         experts_per_token(router)
-        check_positive_float("capacity_factor", capacity_factor)
+        positive_float(capacity_factor, "capacity_factor")
         if second_expert_policy not in SECOND_EXPERT_POLICIES:
             raise ValueError(
                 f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
@@ -75,9 +77,9 @@ class MoEModel(nnx.Module):
         if dispatch not in DISPATCH_MODES:
             raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
         if ffn_dim is not None:
-            check_positive_int("ffn_dim", ffn_dim)
+            positive_int(ffn_dim, "ffn_dim")
         if group_size is not None:
-            check_positive_int("group_size", group_size)
+            positive_int(group_size, "group_size")
         for name, value in (("aux_loss_weight", aux_loss_weight), ("z_loss_weight", z_loss_weight)):
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not (
                 0 <= value < np.inf
@@ -221,13 +223,13 @@ class MoEModel(nnx.Module):
         ``expert_load``; ``eval_loss`` every ``eval_every`` steps (if ``eval_tokens``).
         """
         # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
-        batch_size = check_positive_int("batch_size", batch_size)
+        batch_size = positive_int(batch_size, "batch_size")
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
             raise ValueError(f"steps must be an int >= 0, got {steps!r}")
         if isinstance(eval_every, bool) or not isinstance(eval_every, (int, np.integer)) or eval_every < 0:
             raise ValueError(f"eval_every must be an int >= 0 (0 = never), got {eval_every!r}")
         if optimizer is None:
-            check_positive_float("learning_rate", learning_rate)
+            positive_float(learning_rate, "learning_rate")
         data = self._check_tokens(np.asarray(tokens), "tokens")
         if data.shape[0] < batch_size:
             raise ValueError(f"tokens must hold at least batch_size={batch_size} rows, got {data.shape}")
@@ -274,7 +276,7 @@ class MoEModel(nnx.Module):
         """
         data = self._check_tokens(np.asarray(tokens), "tokens")
         if batch_size is not None:
-            batch_size = check_positive_int("batch_size", batch_size)
+            batch_size = positive_int(batch_size, "batch_size")
         batch_size = batch_size or len(data)
         if batch_size < 1 or len(data) < batch_size:
             raise ValueError(f"tokens must hold at least batch_size={batch_size} >= 1 rows, got {data.shape}")

@@ -27,7 +27,7 @@ from carlskit._serialization import (
     npz_bytes_to_arrays,
     unflatten_into,
 )
-from carlskit.training._checks import positive_int
+from carlskit._checks import positive_int
 
 _MANIFEST = re.compile(r"^v(\d{12})\.json$")
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from carlskit.training._checks import positive_int
+from carlskit._checks import positive_int
 from carlskit.training._pipeline import Batch
 
 

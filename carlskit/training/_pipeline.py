@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from carlskit.training._checks import positive_int
+from carlskit._checks import positive_int
 
 Batch = dict[str, Any]
 

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from carlskit.training._checkpoint import CheckpointStore
-from carlskit.training._checks import positive_int
+from carlskit._checks import positive_int
 from carlskit.widgets import LivePlot, in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
 

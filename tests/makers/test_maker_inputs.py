@@ -28,7 +28,7 @@ def context(items, bank=None):
     ({"max_restarts": -1}, "max_restarts must be an int >= 0"),
 ])
 def test_maker_arguments_are_checked_at_construction(kwargs, message):
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((TypeError, ValueError), match=message):  # TypeError for a non-int
         Maker(write_nothing, np.arange(4), **kwargs)
 
 
@@ -44,7 +44,7 @@ def test_builtin_maker_arguments_are_named():
         LabelMaker(never_called, np.zeros((0, 3)))
     with pytest.raises(ValueError, match=r"neighbor_ids must be rows of features in \[0, 5\).*\[-1, 7\]"):
         AgreementMaker(never_called, features, np.array([[1, -1], [7, 0], [0, 0], [0, 0], [0, 0]]))
-    with pytest.raises(ValueError, match="k must be a positive int, got 2.0"):
+    with pytest.raises(TypeError, match="k must be a positive int, got 2.0"):
         NeighborMaker(2.0)
 
 

@@ -44,7 +44,7 @@ def test_tables_of_the_wrong_kind_or_fields_are_named(bank):
         NeighborKnowledge(bank, max_neighbors=2, records_table="labels")
     with pytest.raises(ValueError, match="table 'nbrs' must be an embedding table"):
         NeighborKnowledge(bank, max_neighbors=2, embeddings_table="nbrs")
-    with pytest.raises(ValueError, match="max_neighbors must be a positive int, got 1.5"):
+    with pytest.raises(TypeError, match="max_neighbors must be a positive int, got 1.5"):
         NeighborKnowledge(bank, max_neighbors=1.5)
     with pytest.raises(ValueError, match="table 'emb' must be a feature table"):
         MinedLabels(bank, table="emb")

@@ -51,7 +51,7 @@ def test_a_malformed_loss_fn_output_is_named_and_nothing_is_applied(loss_fn, mes
 
 def test_argument_types_batches_and_a_second_concurrent_fit_are_errors():
     for bad in ("5", 2.5, 0, True):
-        with pytest.raises(ValueError, match="checkpoint_every"):
+        with pytest.raises((TypeError, ValueError), match="checkpoint_every"):  # TypeError for a non-int
             Trainer(Linear(), optax.sgd(0.1), mse, checkpoint_every=bad)
     for kwargs, name in [({"loss_fn": "mse"}, "loss_fn"), ({"knowledge": 3}, "knowledge"),
                          ({"summaries": object()}, "summaries")]:
@@ -94,7 +94,7 @@ def test_a_tree_that_needs_pickle_or_bad_metadata_writes_nothing(tmp_path, tree,
 
 
 def test_store_argument_types():
-    with pytest.raises(ValueError, match="keep"):
+    with pytest.raises(TypeError, match="keep"):
         CheckpointStore("memory://rv-training-keep", keep=True)
     store = CheckpointStore("memory://rv-training-version")
     with pytest.raises(ValueError, match="version"):
