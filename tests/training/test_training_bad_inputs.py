@@ -49,6 +49,17 @@ def test_a_malformed_loss_fn_output_is_named_and_nothing_is_applied(loss_fn, mes
     np.testing.assert_array_equal(kernel(trainer), before)
 
 
+def held_data():
+    """(event, data function): each batch waits until the event is set, so a fit stays running."""
+    release = threading.Event()
+
+    def slow(step):
+        release.wait(30)
+        return data(step)
+
+    return release, slow
+
+
 def test_argument_types_batches_and_a_second_concurrent_fit_are_errors():
     for bad in ("5", 2.5, 0, True):
         with pytest.raises((TypeError, ValueError), match="checkpoint_every"):  # TypeError for a non-int
@@ -60,12 +71,7 @@ def test_argument_types_batches_and_a_second_concurrent_fit_are_errors():
     trainer = Trainer(Linear(), optax.sgd(0.1), mse)
     with pytest.raises(TypeError, match="batch must be a dict.*tuple"):
         trainer.fit(lambda step: (1, 2), 1, progress=False)
-    release = threading.Event()
-
-    def slow(step):
-        release.wait(30)
-        return data(step)
-
+    release, slow = held_data()
     handle = trainer.fit(slow, 3, block=False, progress=False)
     with pytest.raises(RuntimeError, match="already fitting"):
         trainer.fit(data, 1, progress=False)
@@ -124,12 +130,7 @@ def test_fitting_after_restoring_an_older_version_is_refused_before_any_step(tmp
 
 def test_wait_with_a_timeout_on_a_running_fit_raises_instead_of_returning_a_partial_history():
     trainer = Trainer(Linear(), optax.sgd(0.1), mse)
-    release = threading.Event()
-
-    def slow(step):
-        release.wait(30)
-        return data(step)
-
+    release, slow = held_data()
     handle = trainer.fit(slow, 2, block=False, progress=False)
     with pytest.raises(TimeoutError, match="still running"):
         handle.wait(timeout=0.05)
