@@ -3,14 +3,25 @@
 Every durable file in carlskit goes through :func:`atomic_write`: the bytes go to a temporary name
 in the destination directory and are then renamed over the final name, so a reader sees either the
 old file or the complete new one, never a half-written file.
+
+Every byte is checksummed. JSON documents (manifests, evaluation state) are written by
+:func:`dumps_checked_json` as ``{"format": "carlskit.checked-json/1", "sha256": H, "content": C}``
+where ``H`` is the SHA-256 of ``C``'s canonical JSON (sorted keys, no spaces, no NaN/Infinity), so
+the file stays strict, human-readable JSON and any change to a value fails :func:`loads_checked_json`.
+Array files (``.npz``) carry zip's CRC-32 per member, and manifests record the SHA-256 of the whole
+file (:func:`sha256_hex`), checked before it is parsed. Every failure is a
+:class:`carlskit.CorruptFileError` naming the file, whatever layer (JSON, zip, zlib) noticed it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import uuid
+import zipfile
+import zlib
 from typing import Any
 
 import fsspec
@@ -18,6 +29,9 @@ import fsspec.implementations.local
 import jax
 import numpy as np
 
+from carlskit._errors import CorruptFileError
+
+CHECKED_JSON_FORMAT = "carlskit.checked-json/1"
 
 def filesystem(path: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem and the path within it for a local path or a URL like ``memory://x``."""
@@ -51,9 +65,62 @@ def arrays_to_npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
-def npz_bytes_to_arrays(data: bytes) -> dict[str, np.ndarray]:
-    with np.load(io.BytesIO(data), allow_pickle=False) as archive:
-        return {name: archive[name] for name in archive.files}
+def npz_bytes_to_arrays(data: bytes, path: str | os.PathLike = "<bytes>",
+                        sha256: str | None = None) -> dict[str, np.ndarray]:
+    """The arrays of an ``.npz`` file's bytes; :class:`CorruptFileError` naming ``path`` when damaged.
+
+    With ``sha256`` (as recorded in a manifest), the bytes are checked against it first.
+    """
+    if sha256 is not None and sha256_hex(data) != sha256:
+        raise CorruptFileError(path, "SHA-256 differs from the one its manifest records")
+    try:
+        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+            return {name: archive[name] for name in archive.files}
+    except (zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplementedError, KeyError,
+            ValueError, OSError) as error:
+        # zipfile reports damage as any of these (a bad CRC is BadZipFile, a bad compression method
+        # NotImplementedError, an encrypted flag RuntimeError, a cut header EOFError or ValueError).
+        raise CorruptFileError(path, f"unreadable .npz: {type(error).__name__}: {error}") from error
+
+
+def sha256_hex(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def dumps_checked_json(content: Any) -> bytes:
+    """``content`` as strict, indented JSON wrapped with the SHA-256 of its canonical form.
+
+    Raises ``ValueError`` for values JSON cannot hold exactly (NaN, infinities, non-str keys).
+    """
+    digest = sha256_hex(_canonical_json(content))
+    document = {"format": CHECKED_JSON_FORMAT, "sha256": digest, "content": content}
+    return json.dumps(document, indent=1, sort_keys=True, allow_nan=False).encode()
+
+
+def loads_checked_json(data: bytes, path: str | os.PathLike = "<bytes>") -> Any:
+    """The content of a :func:`dumps_checked_json` document, after checking its checksum.
+
+    Raises :class:`CorruptFileError` naming ``path`` when the bytes are not such a document (not
+    UTF-8, not JSON, no checksum, another format) or the content does not match its SHA-256.
+    """
+    def reject_constant(name: str) -> Any:
+        raise ValueError(f"non-standard JSON constant {name}")
+
+    try:
+        document = json.loads(bytes(data).decode("utf-8"), parse_constant=reject_constant)
+    except (UnicodeDecodeError, ValueError) as error:
+        raise CorruptFileError(path, f"not valid JSON: {error}") from error
+    if not isinstance(document, dict) or document.get("format") != CHECKED_JSON_FORMAT:
+        raise CorruptFileError(path, f"not a checksummed carlskit JSON document ({CHECKED_JSON_FORMAT})")
+    if set(document) != {"format", "sha256", "content"} or not isinstance(document["sha256"], str):
+        raise CorruptFileError(path, "checksummed JSON document has unexpected fields")
+    if sha256_hex(_canonical_json(document["content"])) != document["sha256"]:
+        raise CorruptFileError(path, "content does not match its SHA-256")
+    return document["content"]
 
 
 def flatten_pytree(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -1,18 +1,32 @@
-"""Long-running work on Dask workers (or threads here) with a supervisor that restarts what fails.
+"""The supervision layer: long-running work and actor services that survive lost workers.
 
-Shared by :class:`carlskit.makers.Maker` (its slices) and :class:`carlskit.lopt.MetaTraining` (its
-ES workers): each piece of work is a function that loops until a stop flag is set. With a Dask client it runs as a task that
-secedes from its worker's thread pool (so it never blocks other tasks or actors); without one, in a
-daemon thread of this process. A supervisor thread polls them: a piece that raised, or whose
-worker died, is relaunched with *fresh* arguments (``make_args()`` is called again, so it picks up,
-e.g., actors rebuilt after a lost worker); its error is kept in ``errors`` (the last
-``MAX_KEPT_ERRORS``; ``error_count`` counts them all) and logged.
+Every long-running piece carlskit puts on a cluster (maker slices, ES workers, evaluation workers,
+the learner, summary aggregators, bank shards) is restarted under one rule, :class:`RestartPolicy`:
+exponential backoff with jitter, and a budget in *seconds* (keep trying for ``budget_seconds`` after
+the failures began), not a count that a fast failure loop spends in seconds. A piece that has run
+for ``healthy_after_seconds`` without failing starts a new budget. :class:`Backoff` holds one piece's
+failure streak; actor services (the learner, aggregators, bank shards) use it directly;
+:class:`LongRunningTasks` uses it for functions that loop until a stop flag is set.
+
+:class:`LongRunningTasks` runs each piece, with a Dask client, as a task that secedes from its
+worker's thread pool (so it never blocks other tasks or actors); without one, in a daemon thread of
+this process. What a piece needs travels with its task: ``make_args()`` is called again for every
+launch (so it picks up, e.g., actors rebuilt after a lost worker), and nothing is ``scatter``-ed
+(scattered data dies with its worker and cannot be recomputed). A supervisor thread polls the pieces:
+one that raised, was cancelled, or ended unasked counts as a failure with its reason (kept in
+``errors``, the last ``MAX_KEPT_ERRORS``; ``error_count`` counts all; logged and printed once) and is
+relaunched after its backoff delay. When a piece's budget is spent it is given up: its state in
+:meth:`LongRunningTasks.status` says ``"gave up"`` with the reason, and :meth:`LongRunningTasks.check`
+raises :class:`carlskit.ServiceGaveUpError` in the owner's process (``Maker.wait_for_version``,
+``Trainer.fit`` with makers, ``MetaTraining.wait``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
+import random
 import sys
 import threading
 import time
@@ -21,8 +35,107 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from carlskit._checks import positive_float
+from carlskit._errors import ServiceGaveUpError
+from carlskit.cluster._loss import is_worker_loss
+
 logger = logging.getLogger("carlskit.cluster")
 MAX_KEPT_ERRORS = 100
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """How a failing service is restarted: exponential backoff with jitter, budgeted in seconds.
+
+    The ``n``-th consecutive failure waits ``min(max_delay_seconds, initial_delay_seconds *
+    multiplier ** (n - 1)) * (1 - jitter * U)``, ``U ~ Uniform[0, 1)``, before the next try (jitter
+    keeps many workers that lost the same dependency from retrying in lockstep). Failures are given
+    up once ``budget_seconds`` have passed since the first failure of the streak; a piece that runs
+    ``healthy_after_seconds`` without failing (or reports progress) ends the streak.
+
+    Defaults: retry for 10 minutes, at most 15 s apart; a worker replaced by its nanny (seconds to
+    a minute) or a learner rebuilt from its checkpoint is waited for, not given up.
+    """
+
+    budget_seconds: float = 600.0
+    initial_delay_seconds: float = 0.25
+    max_delay_seconds: float = 15.0
+    multiplier: float = 2.0
+    jitter: float = 0.5
+    healthy_after_seconds: float = 30.0
+
+    def __post_init__(self) -> None:
+        for field in ("budget_seconds", "initial_delay_seconds", "max_delay_seconds", "healthy_after_seconds"):
+            positive_float(getattr(self, field), field)
+        if positive_float(self.multiplier, "multiplier") < 1.0:
+            raise ValueError(f"multiplier must be >= 1, got {self.multiplier!r}")
+        if isinstance(self.jitter, bool) or not isinstance(self.jitter, (int, float)):
+            raise TypeError(f"jitter must be a float, got {type(self.jitter).__name__}")
+        if not 0.0 <= self.jitter < 1.0:
+            raise ValueError(f"jitter must be in [0, 1), got {self.jitter!r}")
+        if self.max_delay_seconds < self.initial_delay_seconds:
+            raise ValueError(f"max_delay_seconds ({self.max_delay_seconds}) must be >= initial_delay_seconds "
+                             f"({self.initial_delay_seconds})")
+
+    def delay(self, failures: int, rng: random.Random) -> float:
+        """Seconds to wait after the ``failures``-th consecutive failure (``failures >= 1``)."""
+        exponent = min(max(failures - 1, 0), 64)  # no float overflow however long the streak
+        base = min(self.max_delay_seconds, self.initial_delay_seconds * self.multiplier ** exponent)
+        return base * (1.0 - self.jitter * rng.random())
+
+
+def restart_policy(value: RestartPolicy | float | None, name: str = "restart_policy") -> RestartPolicy:
+    """``value`` as a policy: a policy, a budget in seconds, or ``None`` for the defaults."""
+    if value is None:
+        return RestartPolicy()
+    if isinstance(value, RestartPolicy):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a RestartPolicy or a budget in seconds, got {type(value).__name__}")
+    return RestartPolicy(budget_seconds=positive_float(value, name))
+
+
+class Backoff:
+    """One service's failure streak under a :class:`RestartPolicy` (thread-safe).
+
+    ``failure()`` records a failure and returns the delay before the next try, or ``None`` once the
+    budget is spent (give up); ``success()`` ends the streak; ``ready()`` says whether the delay of
+    the last failure has passed.
+    """
+
+    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic,
+                 seed: int | None = None) -> None:
+        self.policy, self.clock = policy, clock
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self.failures = 0  # in the current streak
+        self.streak_started: float | None = None
+        self.retry_at = 0.0
+
+    def failure(self) -> float | None:
+        with self._lock:
+            now = self.clock()
+            if self.streak_started is None:
+                self.streak_started = now
+            self.failures += 1
+            if now - self.streak_started >= self.policy.budget_seconds:
+                return None
+            delay = self.policy.delay(self.failures, self._rng)
+            self.retry_at = now + delay
+            return delay
+
+    def success(self) -> None:
+        with self._lock:
+            self.failures, self.streak_started, self.retry_at = 0, None, 0.0
+
+    def ready(self) -> bool:
+        return self.clock() >= self.retry_at
+
+    def seconds_left(self) -> float:
+        """Seconds of the budget left in the current streak (the whole budget when healthy)."""
+        if self.streak_started is None:
+            return self.policy.budget_seconds
+        return max(self.policy.budget_seconds - (self.clock() - self.streak_started), 0.0)
 
 
 def secede_if_on_worker() -> None:
@@ -60,40 +173,59 @@ def stop_flag(client: Any, name: str) -> Any:
     return flag
 
 
+class PieceEndedError(RuntimeError):
+    """A long-running piece returned although nobody asked it to stop."""
+
+
 class LongRunningTasks:
     """Launch named long-running functions and keep them running until :meth:`stop`.
 
     Args:
       client: a ``distributed.Client`` (Dask tasks) or ``None`` (threads of this process).
       name: prefix of task keys and thread names.
-      piece: what one piece is called in error messages (``"slice"``, ``"worker"``).
+      piece: what one piece is called in messages (``"slice"``, ``"worker"``).
       poll_seconds: how often the supervisor checks the running pieces.
-      max_restarts: restarts in total after which failing pieces are given up (logged).
+      policy: the :class:`RestartPolicy` (or a budget in seconds) each piece is restarted under.
       on_poll: called by the supervisor thread once per poll (e.g. to check the health of actors
         before the pieces are relaunched); its exceptions are logged and kept like a piece's, and
         never keep the pieces from being relaunched.
+      on_give_up: called with ``(key, reason)`` when a piece is given up.
     """
 
     def __init__(self, client: Any, name: str, *, piece: str = "piece", poll_seconds: float = 0.2,
-                 max_restarts: int = 100, on_poll: Callable[[], None] | None = None) -> None:
+                 policy: RestartPolicy | float | None = None, on_poll: Callable[[], None] | None = None,
+                 on_give_up: Callable[[str, str], None] | None = None) -> None:
         self.client, self.name, self.piece = client, name, piece
-        self.poll_seconds, self.max_restarts, self.on_poll = poll_seconds, max_restarts, on_poll
+        self.poll_seconds, self.on_poll, self.on_give_up = poll_seconds, on_poll, on_give_up
+        self.policy = restart_policy(policy, "policy")
         #: ``(where, message with traceback)`` of the last ``MAX_KEPT_ERRORS`` errors, oldest first.
         self.errors: list[tuple[str, str]] = []
         self.error_count = 0  # every error recorded, including those no longer kept
         self.restarts = 0
+        self.worker_losses = 0  # failures that were a lost worker or a cancelled task
+        #: ``{key: reason}`` of the pieces given up after their restart budget was spent.
+        self.gave_up: dict[str, str] = {}
         self._last_message: dict[str, str] = {}
         self._specs: dict[str, tuple[Callable, Callable[[], tuple], dict]] = {}
         self._running: dict[str, Any] = {}
+        self._started_at: dict[str, float] = {}
+        self._waiting: dict[str, str] = {}  # key -> reason, relaunched when its backoff allows
+        self._backoff: dict[str, Backoff] = {}
         self._stopping = False
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._supervisor: threading.Thread | None = None
 
     def launch(self, key: str, fn: Callable, make_args: Callable[[], tuple], *,
-               workers: list[str] | None = None) -> None:
-        """Run ``fn(*make_args())`` as piece ``key`` (replacing a finished piece of that key)."""
+               workers: list[str] | None = None, resources: dict[str, float] | None = None) -> None:
+        """Run ``fn(*make_args())`` as piece ``key`` (replacing a finished piece of that key).
+
+        ``workers`` are preferred (another worker is used when they are gone); ``resources`` are
+        required (Dask worker resources): a restarted piece keeps both.
+        """
         with self._lock:
-            self._specs[key] = (fn, make_args, {"workers": workers})
+            self._specs[key] = (fn, make_args, {"workers": workers, "resources": resources})
+            self._backoff[key] = Backoff(self.policy)
+            self.gave_up.pop(key, None)
             self._start(key)
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name=f"{self.name}-supervisor", daemon=True)
@@ -102,6 +234,8 @@ class LongRunningTasks:
     def _start(self, key: str) -> None:
         fn, make_args, options = self._specs[key]
         arguments = make_args()
+        self._waiting.pop(key, None)
+        self._started_at[key] = time.monotonic()
         if self.client is None:
             outcome: dict = {}
 
@@ -118,25 +252,35 @@ class LongRunningTasks:
             workers = options["workers"]
             self._running[key] = self.client.submit(
                 fn, *arguments, pure=False, workers=workers, allow_other_workers=bool(workers),
-                key=f"{self.name}-{key}-{uuid.uuid4().hex[:8]}")
+                resources=options["resources"], key=f"{self.name}-{key}-{uuid.uuid4().hex[:8]}")
 
     def _finished(self, key: str) -> tuple[bool, BaseException | None, str]:
+        """``(done, error, traceback)``; a piece that ended unasked or was cancelled has an error."""
         running = self._running[key]
         if self.client is None:
             thread, outcome = running
             if thread.is_alive():
                 return False, None, ""
-            return True, outcome.get("error"), outcome.get("traceback", "")
+            error = outcome.get("error")
+            if error is None and not self._stopping:
+                error = PieceEndedError(f"{self.piece} {key} returned {outcome.get('value')!r} without being stopped")
+            return True, error, outcome.get("traceback", "")
         if not running.done():
             return False, None, ""
-        if running.status in ("error", "cancelled"):
+        if running.status == "cancelled":  # exception() of a cancelled future is None: say why
+            from distributed.client import FutureCancelledError
+
+            return True, FutureCancelledError(running.key, "its worker or its inputs were lost"), ""
+        if running.status == "error":
             try:
                 error = running.exception(timeout=5)
                 trace = "".join(traceback.format_tb(running.traceback(timeout=5)))
-            except Exception as lost:  # cancelled futures have no exception to fetch
+            except Exception as lost:  # the future was released under us
                 error, trace = lost, ""
             return True, error, trace
-        return True, None, ""
+        if self._stopping:
+            return True, None, ""
+        return True, PieceEndedError(f"{self.piece} {key} returned without being stopped"), ""
 
     def record_error(self, where: str, error: BaseException, trace: str = "") -> None:
         """Keep, log and print an error (of a piece, or of the supervision step): never swallowed.
@@ -144,33 +288,68 @@ class LongRunningTasks:
         Only the last ``MAX_KEPT_ERRORS`` are kept (``error_count`` counts all); an error repeating
         the previous one of the same ``where`` (e.g. every poll) is kept and counted, printed once."""
         message = f"{self.name} {where} raised {type(error).__name__}: {error}"
-        self.errors.append((where, f"{message}\n{trace}"))
-        del self.errors[:-MAX_KEPT_ERRORS]
-        self.error_count += 1
-        if self._last_message.get(where) == message:
-            logger.debug("%s (again)", message)
-            return
-        self._last_message[where] = message
+        with self._lock:
+            self.errors.append((where, f"{message}\n{trace}"))
+            del self.errors[:-MAX_KEPT_ERRORS]
+            self.error_count += 1
+            if self._last_message.get(where) == message:
+                logger.debug("%s (again)", message)
+                return
+            self._last_message[where] = message
         logger.error(message)
         print(message, file=sys.stderr, flush=True)
 
+    def _give_up(self, key: str, reason: str) -> None:
+        backoff = self._backoff[key]
+        message = (f"{self.name}: gave up {self.piece} {key} after {backoff.failures} failures in "
+                   f"{self.policy.budget_seconds:g} s (restart budget spent); last: {reason}")
+        self.gave_up[key] = message
+        self._running.pop(key, None)
+        self._waiting.pop(key, None)
+        logger.error(message)
+        print(message, file=sys.stderr, flush=True)
+        if self.on_give_up is not None:
+            try:
+                self.on_give_up(key, message)
+            except Exception as error:
+                self.record_error("on_give_up", error, traceback.format_exc())
+
     def poll_once(self) -> list[str]:
-        """Relaunch every piece that ended while not stopping; returns their keys."""
+        """Record pieces that ended, relaunch those whose backoff has passed; returns relaunched keys."""
         relaunched = []
         with self._lock:
+            if self._stopping:
+                return relaunched
+            now = time.monotonic()
             for key in list(self._running):
                 done, error, trace = self._finished(key)
-                if not done or self._stopping:
+                backoff = self._backoff[key]
+                if not done:
+                    if backoff.failures and now - self._started_at[key] >= self.policy.healthy_after_seconds:
+                        backoff.success()  # ran long enough: a new streak (and budget) next time
                     continue
-                if error is not None:
-                    self.record_error(f"{self.piece} {key}", error, trace)
-                if self.restarts >= self.max_restarts:
-                    logger.error("%s gave up %s after %d restarts", self.name, key, self.restarts)
-                    del self._running[key]
-                    continue
-                self.restarts += 1
-                self._start(key)
-                relaunched.append(key)
+                del self._running[key]
+                error = error if error is not None else PieceEndedError(f"{self.piece} {key} ended")
+                self.worker_losses += is_worker_loss(error)
+                self.record_error(f"{self.piece} {key}", error, trace)
+                reason = f"{type(error).__name__}: {error}"
+                if backoff.failure() is None:
+                    self._give_up(key, reason)
+                else:
+                    self._waiting[key] = reason
+            for key in list(self._waiting):
+                if self._backoff[key].ready():
+                    self.restarts += 1
+                    try:
+                        self._start(key)
+                    except Exception as error:  # e.g. make_args() needs a service that is still down
+                        self.record_error(f"{self.piece} {key} relaunch", error, traceback.format_exc())
+                        if self._backoff[key].failure() is None:
+                            self._give_up(key, f"{type(error).__name__}: {error}")
+                        else:
+                            self._waiting[key] = f"{type(error).__name__}: {error}"
+                        continue
+                    relaunched.append(key)
         return relaunched
 
     def _supervise(self) -> None:
@@ -191,6 +370,30 @@ class LongRunningTasks:
         with self._lock:
             return [key for key in self._running if not self._finished(key)[0]]
 
+    def check(self) -> None:
+        """Raise :class:`carlskit.ServiceGaveUpError` if any piece was given up."""
+        if self.gave_up:
+            raise ServiceGaveUpError("; ".join(self.gave_up.values()))
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Per piece: ``state`` (running, restarting, gave up, stopped), failures in its streak,
+        seconds of restart budget left, and the last reason it failed."""
+        with self._lock:
+            report = {}
+            for key in self._specs:
+                backoff = self._backoff[key]
+                if key in self.gave_up:
+                    state, reason = "gave up", self.gave_up[key]
+                elif key in self._waiting:
+                    state, reason = "restarting", self._waiting[key]
+                elif key in self._running:
+                    state, reason = "running", None
+                else:
+                    state, reason = "stopped", None
+                report[key] = {"state": state, "failures": backoff.failures,
+                               "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": reason}
+            return report
+
     def stop(self, stop_flag: Any, timeout: float = 30.0) -> None:
         """Set ``stop_flag`` (the flag the pieces watch) and wait for every piece to end."""
         self._stopping = True
@@ -198,12 +401,15 @@ class LongRunningTasks:
         if self._supervisor is not None and self._supervisor is not threading.current_thread():
             self._supervisor.join(timeout)
         deadline = time.monotonic() + timeout
-        for running in self._running.values():
+        with self._lock:
+            running = list(self._running.values())
+            self._running.clear()
+            self._waiting.clear()
+        for piece in running:
             remaining = max(deadline - time.monotonic(), 0.1)
             if self.client is None:
-                running[0].join(remaining)
+                piece[0].join(remaining)
             else:
                 with contextlib.suppress(Exception):  # errors were recorded by the supervisor
-                    running.result(timeout=remaining)
-        self._running.clear()
+                    piece.result(timeout=remaining)
         self._supervisor = None

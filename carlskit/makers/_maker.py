@@ -155,7 +155,7 @@ class Maker:
         self._stop = stop_flag(client, f"{self._topic}-stop")
         # Ship fn (and the features it may hold) to the cluster once, not with every slice and restart.
         self._fn_ref = self.fn if client is None else client.scatter(self.fn, hash=False)
-        self._tasks = LongRunningTasks(client, f"maker-{self.name}", piece="slice", max_restarts=self.max_restarts)
+        self._tasks = LongRunningTasks(client, f"maker-{self.name}", piece="slice", policy=self.max_restarts)
         for index in range(self.num_slices):
             # Preferred workers; a slice whose worker is lost is rerun elsewhere.
             self._tasks.launch(str(index), run_maker_slice, self._slice_arguments(index), workers=self.workers)
