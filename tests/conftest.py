@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import psutil
 import pytest
 
@@ -22,3 +24,14 @@ def no_leftover_processes():
         except psutil.NoSuchProcess:
             pass
     assert not leftovers, f"test left processes running: {leftovers}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With ``CI`` set, a skip is a failure: missing data or tools must show up, not pass silently."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("CI") and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped with CI set (a skip is a failure in CI): {reason}"
