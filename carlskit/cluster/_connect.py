@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import logging
 import os
 import socket
 import struct
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +18,16 @@ import distributed
 from dask.typing import no_default
 from distributed import Client, LocalCluster
 
-from carlskit.cluster._environment import JaxWorkerSetup, merge_xla_flags, worker_environment
+from carlskit._checks import positive_int
+from carlskit.cluster._environment import (
+    GROUP_VARIABLE,
+    HOST_DEVICES_VARIABLE,
+    PLATFORM_VARIABLE,
+    JaxWorkerSetup,
+    check_platform,
+    merge_xla_flags,
+    worker_environment,
+)
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 
@@ -47,6 +60,58 @@ def _timeout_seconds(timeout: float | str) -> float:
     return float(seconds)
 
 
+@dataclasses.dataclass(frozen=True)
+class WorkerGroup:
+    """One named group of workers in an embedded cluster (``connect(worker_groups=...)``).
+
+    Args:
+      n_workers, threads_per_worker, memory_limit: as for ``distributed.LocalCluster``, per group.
+      platform: ``JAX_PLATFORMS`` of these workers (``None``: an accelerator group keeps its
+        accelerator, any other group gets ``cpu`` on a machine without one).
+      resources: Dask worker resources the group offers (``{"GPU": 1}``, ``{"maker": 1}``); services
+        placed with ``resources=`` run only on workers offering them.
+      devices: simulated host devices per worker (``--xla_force_host_platform_device_count``), to
+        test multi-device code on a CPU.
+    """
+
+    n_workers: int = 1
+    threads_per_worker: int = 1
+    platform: str | None = None
+    resources: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    devices: int | None = None
+    memory_limit: str | int | float | None = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.n_workers, bool) or not isinstance(self.n_workers, int) or self.n_workers < 0:
+            raise ValueError(f"n_workers must be a non-negative int, got {self.n_workers!r}")
+        positive_int(self.threads_per_worker, "threads_per_worker")
+        check_platform(self.platform)
+        if not isinstance(self.resources, Mapping):
+            raise TypeError(f"resources must be a dict of name -> amount, got {type(self.resources).__name__}")
+        for name, amount in self.resources.items():
+            if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
+                    or amount <= 0:
+                raise ValueError(f"resources must map names to positive amounts, got {name!r}: {amount!r}")
+        if self.devices is not None:
+            positive_int(self.devices, "devices")
+        object.__setattr__(self, "resources", dict(self.resources))
+
+    @classmethod
+    def from_spec(cls, name: str, spec: WorkerGroup | Mapping[str, Any]) -> WorkerGroup:
+        if isinstance(spec, WorkerGroup):
+            return spec
+        if not isinstance(spec, Mapping):
+            raise TypeError(f"worker_groups[{name!r}] must be a dict or WorkerGroup, got {type(spec).__name__}")
+        unknown = sorted(set(spec) - {field.name for field in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"worker_groups[{name!r}] has unknown keys {unknown}; "
+                             f"known: {[field.name for field in dataclasses.fields(cls)]}")
+        try:
+            return cls(**spec)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"worker_groups[{name!r}]: {error}") from error
+
+
 def connect(
     address: str | None = None,
     *,
@@ -59,6 +124,7 @@ def connect(
     security: distributed.Security | bool | None = None,
     timeout: float | str = DEFAULT_TIMEOUT_SECONDS,
     platform: str | None = None,
+    worker_groups: Mapping[str, WorkerGroup | Mapping[str, Any]] | None = None,
 ) -> Client:
     """Return a Dask client, starting an embedded ``LocalCluster`` only when nothing else exists.
 
@@ -68,9 +134,10 @@ def connect(
     ``n_workers`` (default: the usable cores) x ``threads_per_worker``. Calling ``connect()`` again
     returns the same client, so a notebook never starts a second cluster.
 
-    Every worker is configured for JAX before JAX is imported there (see
-    :func:`carlskit.cluster.worker_environment`): thread limits equal to ``threads_per_worker``, no
-    GPU memory preallocation, and ``JAX_PLATFORMS=platform`` when given.
+    Every worker is configured for JAX before JAX is imported there, from its own facts (see
+    :mod:`carlskit.cluster._environment`): thread limits equal to its thread count, no GPU memory
+    preallocation, and ``JAX_PLATFORMS``: the platform it was started with, none for a worker
+    offering an accelerator resource (JAX uses the accelerator), else ``platform`` or ``cpu``.
 
     Args:
       address: a scheduler address such as ``"tcp://10.0.0.5:8786"`` or ``"tls://..."``.
@@ -81,7 +148,13 @@ def connect(
         embedded cluster, to the scheduler and workers too.
       timeout: seconds (or a Dask duration string) to wait for the scheduler; an unreachable
         scheduler raises ``ConnectionError`` after this, never hangs.
-      platform: JAX platform for workers (``"cpu"``, ``"gpu"``, ``"tpu"``); ``None`` chooses.
+      platform: JAX platform for workers that do not have one of their own (``"cpu"``, ``"gpu"``,
+        ``"tpu"``); ``None`` chooses.
+      worker_groups: build an embedded *heterogeneous* cluster (on Dask's ``SpecCluster``) of named
+        groups, each a :class:`WorkerGroup` or a dict of its fields, e.g. ``{"trainer":
+        {"n_workers": 1, "devices": 4, "resources": {"accelerator": 1}}, "makers": {"n_workers": 2,
+        "resources": {"maker": 1}}}``. Replaces ``n_workers``/``threads_per_worker``/``memory_limit``;
+        worker ``i`` of group ``g`` is named ``"g-i"``.
 
     Returns:
       A running ``distributed.Client``, set as the default client.
@@ -97,10 +170,25 @@ def connect(
         environment = worker_environment(threads_per_worker, platform)
     except ValueError as error:
         raise ValueError(str(error).replace("threads ", "threads_per_worker ", 1)) from error
+    groups = None
+    if worker_groups is not None:
+        if address is not None or scheduler_file is not None or n_workers is not None or not processes:
+            raise ValueError("worker_groups builds an embedded cluster of worker processes: pass it without "
+                             "address, scheduler_file, n_workers or processes=False")
+        if not isinstance(worker_groups, Mapping) or not worker_groups:
+            raise ValueError(f"worker_groups must be a non-empty dict of group name -> spec, got {worker_groups!r}")
+        groups = {}
+        for name, spec in worker_groups.items():
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"worker_groups keys must be non-empty str group names, got {name!r}")
+            groups[name] = WorkerGroup.from_spec(name, spec)
 
     if address is None and scheduler_file is None:
         existing = _default_client()
         if existing is not None:
+            if groups is not None and _groups_of(existing) != set(groups):
+                raise ValueError(f"a client is already running (groups {sorted(_groups_of(existing))}); close it "
+                                 f"before starting a cluster with worker groups {sorted(groups)}")
             return existing
         address = os.environ.get("DASK_SCHEDULER_ADDRESS") or dask.config.get(
             "scheduler-address", None
@@ -119,6 +207,9 @@ def connect(
             )
         _check_speaks_dask(address, timeout_seconds)
         client = _connect_remote(dict(address=address), security, timeout_seconds, where=address)
+    elif groups is not None:
+        client = _start_group_cluster(groups, dashboard_address=dashboard_address, security=security,
+                                      timeout=timeout_seconds, platform=platform)
     else:
         client = _start_local_cluster(
             n_workers=usable_cores() if n_workers is None else n_workers,
@@ -133,7 +224,7 @@ def connect(
     if scheduler_file is None and address is None and not processes:
         return client  # workers are threads of this process: its environment is the user's own
     try:
-        client.register_plugin(JaxWorkerSetup(environment), name=JaxWorkerSetup.name)
+        client.register_plugin(JaxWorkerSetup(platform), name=JaxWorkerSetup.name)
     except BaseException:
         client.close()
         raise
@@ -199,33 +290,95 @@ def _connect_remote(
         ) from error
 
 
-def _start_local_cluster(*, environment: dict[str, str], timeout: float, **cluster_kwargs) -> Client:
-    # Thread limits must be in place before the worker interpreter loads numpy/BLAS, so they go into
-    # Dask's pre-spawn environment. The Nanny writes that into *this* process's os.environ while
-    # spawning; restore ours afterwards so the notebook keeps all its cores. JAX's variables are
-    # only read when JAX is imported, so they go to the worker alone through the Nanny's ``env``.
-    thread_names = {name for name in environment if name.endswith("_NUM_THREADS")}
-    spawn_environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
-    spawn_environ.update({name: environment[name] for name in thread_names})
-    jax_environ = {name: value for name, value in environment.items() if name not in thread_names}
+def _groups_of(client: Client) -> set[str]:
+    cluster = getattr(client, "cluster", None)
+    return set(getattr(cluster, "carlskit_groups", {}) or {})
+
+
+def _split_environment(environment: dict[str, str]) -> tuple[dict[str, str], dict[str, str]]:
+    """(thread limits, JAX variables): the first must be set before spawning, the second need not."""
+    threads = {name: value for name, value in environment.items() if name.endswith("_NUM_THREADS")}
+    jax_environ = {name: value for name, value in environment.items() if name not in threads}
     if "XLA_FLAGS" in jax_environ:
         jax_environ["XLA_FLAGS"] = merge_xla_flags(os.environ.get("XLA_FLAGS", ""), jax_environ["XLA_FLAGS"])
-    if getattr(cluster_kwargs["security"], "require_encryption", False):
-        cluster_kwargs["protocol"] = "tls://"
-    if cluster_kwargs["processes"]:
-        cluster_kwargs["env"] = jax_environ  # threads in this process share its environment
+    return threads, jax_environ
+
+
+@contextlib.contextmanager
+def _pre_spawn_environment(thread_limits: dict[str, str]) -> Iterator[None]:
+    """Thread limits in Dask's pre-spawn environment while workers are started, ours restored after.
+
+    They must be in place before a worker interpreter loads numpy/BLAS. The Nanny writes them into
+    *this* process's ``os.environ`` while spawning; restoring ours keeps the notebook on all its cores.
+    """
+    spawn_environ = dict(dask.config.get("distributed.nanny.pre-spawn-environ", {}))
+    spawn_environ.update(thread_limits)
     saved = {name: os.environ.get(name) for name in spawn_environ}
     try:
         with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_environ}):
-            # Worker processes listen on loopback only; threads in this process talk in-process.
-            host = {"host": "127.0.0.1"} if cluster_kwargs["processes"] or "protocol" in cluster_kwargs else {}
-            cluster = LocalCluster(timeout=timeout, **host, **cluster_kwargs)
+            yield
     finally:
         for name, value in saved.items():
             if value is None:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+def _start_group_cluster(groups: dict[str, WorkerGroup], *, dashboard_address: str | None, security: Any,
+                         timeout: float, platform: str | None) -> Client:
+    """A ``SpecCluster`` with one ``Nanny`` spec per worker of each group (its own threads, resources,
+    platform and simulated devices); the worker plugin configures each from these facts."""
+    from distributed import Nanny, Scheduler, SpecCluster
+
+    protocol = "tls://" if getattr(security, "require_encryption", False) else "tcp://"
+    scheduler = {"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard_address": dashboard_address,
+                                               "protocol": protocol, "security": security}}
+    workers = {}
+    for group_name, group in groups.items():
+        environment = worker_environment(group.threads_per_worker, group.platform or platform, group.devices)
+        _, jax_environ = _split_environment(environment)
+        jax_environ[GROUP_VARIABLE] = group_name
+        # The notebook's own JAX_PLATFORMS must not leak into a group (an accelerator group would be
+        # forced to it): "" reads as "none given" and lets JAX choose.
+        jax_environ.setdefault("JAX_PLATFORMS", "")
+        if group.platform is not None:
+            jax_environ[PLATFORM_VARIABLE] = group.platform
+        if group.devices is not None:
+            jax_environ[HOST_DEVICES_VARIABLE] = str(group.devices)
+        for index in range(group.n_workers):
+            name = f"{group_name}-{index}"
+            workers[name] = {"cls": Nanny, "options": {
+                "nthreads": group.threads_per_worker, "resources": dict(group.resources) or None,
+                "memory_limit": group.memory_limit, "host": "127.0.0.1", "protocol": protocol,
+                "security": security, "env": jax_environ, "name": name, "silence_logs": logging.WARNING}}
+    # Groups may differ in threads; the spawn-time limit is the smallest (never oversubscribed), and
+    # the worker plugin then sets each worker's own BLAS limit (threadpoolctl) before any task runs.
+    fewest = min(group.threads_per_worker for group in groups.values())
+    thread_limits, _ = _split_environment(worker_environment(fewest))
+    with _pre_spawn_environment(thread_limits):
+        cluster = SpecCluster(workers=workers, scheduler=scheduler, security=security,
+                              silence_logs=logging.WARNING, name="carlskit-groups")
+    cluster.carlskit_groups = groups
+    return _embedded_client(cluster, timeout)
+
+
+def _start_local_cluster(*, environment: dict[str, str], timeout: float, **cluster_kwargs) -> Client:
+    # JAX's variables are only read when JAX is imported, so they go to the worker alone through
+    # the Nanny's ``env``; thread limits must be set before spawning.
+    thread_limits, jax_environ = _split_environment(environment)
+    if getattr(cluster_kwargs["security"], "require_encryption", False):
+        cluster_kwargs["protocol"] = "tls://"
+    if cluster_kwargs["processes"]:
+        cluster_kwargs["env"] = jax_environ  # threads in this process share its environment
+    with _pre_spawn_environment(thread_limits):
+        # Worker processes listen on loopback only; threads in this process talk in-process.
+        host = {"host": "127.0.0.1"} if cluster_kwargs["processes"] or "protocol" in cluster_kwargs else {}
+        cluster = LocalCluster(timeout=timeout, **host, **cluster_kwargs)
+    return _embedded_client(cluster, timeout)
+
+
+def _embedded_client(cluster: Any, timeout: float) -> Client:
     try:
         # Workers of an embedded cluster are reachable from here: actor calls (bank shards) go
         # straight to them instead of through the scheduler, one network hop less per call.

@@ -11,7 +11,9 @@ from typing import Any
 
 from distributed import Client
 
-_COLUMNS = ("process", "host", "pid", "backend", "device_count", "device_kinds")
+from carlskit.cluster._connect import usable_cores
+
+_COLUMNS = ("process", "group", "host", "pid", "backend", "device_count", "device_kinds", "threads", "resources")
 
 
 def local_devices() -> dict[str, Any]:
@@ -27,6 +29,14 @@ def local_devices() -> dict[str, Any]:
         "device_count": len(devices),
         "device_kinds": ", ".join(f"{count} x {kind}" for kind, count in sorted(kinds.items())),
     }
+
+
+def worker_devices(dask_worker: Any) -> dict[str, Any]:
+    """:func:`local_devices` of a worker plus what configured it (group, threads, resources)."""
+    config = getattr(dask_worker, "carlskit_config", None) or {}
+    return {**local_devices(), "group": config.get("group"),
+            "threads": dask_worker.state.nthreads,
+            "resources": dict(dask_worker.state.total_resources)}
 
 
 @dataclass(frozen=True)
@@ -51,6 +61,10 @@ class DeviceReport:
     def workers(self) -> list[dict[str, Any]]:
         return [row for row in self.rows if row["process"] != "client"]
 
+    def group(self, name: str) -> list[dict[str, Any]]:
+        """The rows of the workers of group ``name`` (``connect(worker_groups=...)``)."""
+        return [row for row in self.workers if row.get("group") == name]
+
     def __repr__(self) -> str:
         cells = [list(_COLUMNS)] + [[str(row[name]) for name in _COLUMNS] for row in self.rows]
         widths = [max(len(line[i]) for line in cells) for i in range(len(_COLUMNS))]
@@ -74,8 +88,10 @@ def devices(client: Client | None = None) -> DeviceReport:
     """
     if client is not None and not isinstance(client, Client):
         raise TypeError(f"client must be a distributed.Client or None, got {type(client).__name__}")
-    rows = [{"process": "client", **local_devices()}]
+    rows = [{"process": "client", "group": None, **local_devices(), "threads": usable_cores(),
+             "resources": {}}]
     if client is not None:
-        for address, info in sorted(client.run(local_devices).items()):
+        for address, info in sorted(client.run(worker_devices).items()):
             rows.append({"process": address, **info})
     return DeviceReport(rows)
+

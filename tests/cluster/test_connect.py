@@ -17,6 +17,7 @@ import pytest
 from distributed import Client, Security
 
 import carlskit
+from carlskit.cluster._environment import machine_has_accelerator
 
 # Workers started by the `dask` CLI cannot import this test module: ship its functions by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -123,8 +124,10 @@ def test_connects_to_cli_started_scheduler_and_worker(cli_cluster):
     try:
         client.wait_for_workers(1, timeout=60)
         assert client.submit(lambda x: x + 1, 41).result() == 42
-        # The plugin configured the worker the CLI started (not spawned by carlskit).
-        assert set(client.run(worker_settings).values()) == {("1", "false", None)}
+        # The plugin configured the worker the CLI started (not spawned by carlskit), from its own
+        # facts: one thread, no accelerator resource, so CPU on a machine without an accelerator.
+        expected_platform = None if machine_has_accelerator() else "cpu"
+        assert set(client.run(worker_settings).values()) == {("1", "false", expected_platform)}
         # ...and did so before JAX was imported there (shipping the plugin does not import JAX).
         preconfigured = client.run(lambda dask_worker: dask_worker.carlskit_jax_preconfigured)
         assert set(preconfigured.values()) == {True}
