@@ -611,8 +611,13 @@ class SummaryWriter:
         """Advance a restarting shard: wait out its backoff, then call its aggregator again or
         create a new one on a live worker; a new aggregator counts once it is built."""
         if shard.creating is not None:
-            status = shard.creating.status
-            if status == "pending":
+            if shard.creating.status == "pending":
+                if shard.backoff.seconds_left() <= 0.0:  # e.g. no worker at all: the budget ends the wait
+                    future, shard.creating = shard.creating, None
+                    with contextlib.suppress(Exception):
+                        future.release()
+                    self._failed(shard, TimeoutError("the new aggregator was not built within the restart "
+                                                     "budget (no live worker took it)"), [])
                 return
             future, shard.creating = shard.creating, None
             try:
