@@ -233,6 +233,21 @@ class SummaryReader:
         texts = [raw[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(len(lengths))]
         return pd.DataFrame({"step": steps, "wall_time": wall_times, "text": texts})
 
+    def to_tensorboard(self, logdir: str | os.PathLike) -> dict:
+        """Write every summary in this log directory to a new TensorBoard event file in
+        ``logdir`` (scalars, histograms, texts; array subsamples as histograms) and return counts
+        of what was written and the file's ``path``. Needs tensorboardX (``pip install
+        'carlskit[tensorboard]'``); see :mod:`carlskit.summaries._tensorboard` for the mapping.
+        Also ``python -m carlskit.summaries export SRC DST``."""
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise TypeError(f"logdir must be a path, got {type(logdir).__name__}")
+        if Path(logdir).resolve() == self.logdir.resolve():
+            raise ValueError(f"logdir must differ from the summaries' own directory {str(self.logdir)!r}")
+        from carlskit.summaries._tensorboard import export
+
+        with self._lock:
+            return export(self, logdir)
+
     def __repr__(self) -> str:
         return f"SummaryReader({str(self.logdir)!r})"
 
