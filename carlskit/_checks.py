@@ -28,13 +28,13 @@ def integer(value: Any, name: str, minimum: int = 1, maximum: int | None = None)
 
 
 def int64(value: Any, name: str = "step") -> int:
-    """``value`` as an ``int`` if it is a real integer (Python or numpy, not a bool, not a string
-    or a float such as ``1.7`` or ``5.0``) that fits in a signed 64-bit integer (steps are stored as
+    """``value`` as an ``int`` if it is a real integer (Python or numpy, or a 0-d integer array such
+    as a JAX step counter; not a bool, not a string or a float such as ``1.7`` or ``5.0``) that fits in a signed 64-bit integer (steps are stored as
     int64); else TypeError/ValueError naming ``name``."""
     if type(value) is int:  # the common case, checked without the ABC machinery
         if INT64_MIN <= value <= INT64_MAX:
             return value
-    elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    elif isinstance(value, bool) or not (isinstance(value, numbers.Integral) or _integer_scalar_array(value)):
         raise TypeError(f"{name} must be an int (int64), got {value!r} ({type(value).__name__})")
     value = int(value)
     if not INT64_MIN <= value <= INT64_MAX:
@@ -64,3 +64,9 @@ def finite_float(value: Any, name: str, *, minimum: float | None = None, positiv
 def positive_float(value: Any, name: str) -> float:
     """``value`` as a finite ``float > 0``; else TypeError/ValueError naming ``name``."""
     return finite_float(value, name, positive=True)
+
+
+def _integer_scalar_array(value: Any) -> bool:
+    """A 0-d array of an integer dtype (numpy or JAX), told by its dtype, not by importing either."""
+    dtype = getattr(value, "dtype", None)
+    return getattr(value, "shape", None) == () and getattr(dtype, "kind", None) in ("i", "u")

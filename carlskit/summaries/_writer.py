@@ -336,13 +336,18 @@ class SummaryWriter:
 
         ``step`` must be an integer (Python or numpy, not bool) in the int64 range, checked here:
         a bad call raises and leaves every pending point as it was."""
-        self._before_logging()
-        value = _value_of(name, value)
-        step = _checks.int64(step, "step")
+        # The common case (open, room, a float and an int) costs attribute checks, no calls.
+        if self._alarm or self._held >= self.max_pending or self._thread is None:
+            self._before_logging()
+        if type(value) is not float:
+            value = _value_of(name, value)
+        if type(step) is not int or not _checks.INT64_MIN <= step <= _checks.INT64_MAX:
+            step = _checks.int64(step, "step")
         wall_time = time.time()
         with self._lock:
-            if not self._keep(sample_rate):
-                return False
+            if sample_rate is not None or self.sample_rate < 1.0:
+                if not self._keep(sample_rate):
+                    return False
             buffer = self._scalars.get(name)
             if buffer is None:
                 buffer = self._scalars[_check_name(name)] = ([], [], [])

@@ -157,3 +157,13 @@ def test_an_aggregators_own_failure_is_its_own_error_type(tmp_path):
     assert aggregator.append(1, [(0, [scalar_batch("loss", [0])])]) == 0  # the re-send is written
     aggregator.close()
     assert SummaryReader(logdir).scalars("loss")["step"].tolist() == [0]
+
+
+def test_integer_steps_of_every_kind_are_accepted(tmp_path):
+    import jax.numpy as jnp
+
+    with SummaryWriter(tmp_path) as writer:
+        for step in (0, np.int32(1), np.uint64(2), np.array(3), jnp.int32(4), -(2**63)):
+            writer.scalar("loss", 1.0, step)
+        writer.scalar("loss", np.float32(0.5), 5)  # values may be any real number, numpy's too
+    assert SummaryReader(tmp_path).scalars("loss")["step"].tolist() == [-(2**63), 0, 1, 2, 3, 4, 5]
