@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from carlskit import _checks
-from carlskit._errors import ServiceGaveUpError
+from carlskit._errors import ServiceGaveUpError, WorkerLostError
 from carlskit.cluster._loss import actor_lost, is_worker_loss
 from carlskit.cluster._supervised import Backoff, RestartPolicy, restart_policy
 from carlskit.summaries import _format
@@ -118,11 +118,13 @@ class _Shard:
         self.state = "ok"  # ok | restarting | gave up
         self.needs_new_aggregator = False
         self.creating: Any = None  # the future of an aggregator being created
-        self.reason: str | None = None
+        self.watched = owned  # a copy's shard gets a future of the actor's key on first use
+        self.reason: str | None = None  # why it is restarting now
+        self.last_failure: str | None = None  # kept after recovery, for status()
         self.lost_at: float | None = None
         self.restarts = 0
         self.recoveries: list[float] = []  # seconds from a failure to the next acknowledged batch
-        self.old_owned: list[Any] = []  # aggregators this writer created that were replaced
+        self.old_futures: list[Any] = []  # futures of replaced aggregators, released at close
 
 
 
@@ -548,6 +550,7 @@ class SummaryWriter:
                     self._try_restart(shard)
                 if shard.state != "ok" or not shard.unacked:
                     continue
+                self._watch(shard)
                 sends = [(sequence, part) for sequence, part, _ in shard.unacked]
                 try:
                     calls.append((shard, shard.actor.append(self._writer_id, sends)))
@@ -555,12 +558,45 @@ class SummaryWriter:
                     self._failed(shard, error, errors)
             for shard, call in calls:
                 try:
-                    self._acknowledged(shard, call.result(timeout=CALL_TIMEOUT_SECONDS))
+                    self._acknowledged(shard, self._result_of(shard, call))
                 except Exception as error:
                     self._failed(shard, error, errors)
             if errors:
                 raise errors[0]
             return not any(shard.unacked for shard in self._shards)
+
+    def _result_of(self, shard: _Shard, call: Any) -> int:
+        """The acknowledgement of an aggregator call. Waits in short slices, so a call to a worker
+        that died is given up as soon as the actor's future says so (a connection attempt to a
+        dead worker's address is otherwise retried for distributed's 30 s connect timeout)."""
+        deadline = time.monotonic() + CALL_TIMEOUT_SECONDS
+        while True:
+            done = call.done()
+            try:
+                return call.result(timeout=None if done else 0.05)
+            except TimeoutError:
+                if done:
+                    raise
+            if actor_lost(shard.future):
+                raise WorkerLostError(f"the worker holding the aggregator of shard {shard.index} was lost")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the aggregator of shard {shard.index} did not answer in "
+                                   f"{CALL_TIMEOUT_SECONDS:g} s")
+
+    def _watch(self, shard: _Shard) -> None:
+        """Give a copy's shard a future of the actor's key (a copy is handed actors, not the
+        futures that made them), so its loss is known from the future's state."""
+        if shard.future is not None or shard.watched:
+            return
+        shard.watched = True
+        try:
+            from distributed import Future
+
+            future = Future(shard.actor.key, self._restart_client())
+            future.result(timeout=30)  # "finished" once the scheduler confirms: "pending" is not lost
+            shard.future = future
+        except Exception:  # no client here: the loss is then told by the worker list (_actor_gone)
+            shard.future = None
 
     def _write_direct(self) -> bool:
         shard = self._shards[0]
@@ -578,7 +614,7 @@ class SummaryWriter:
             return
         if shard.lost_at is None:
             shard.lost_at = time.monotonic()
-        shard.reason = f"{type(error).__name__}: {error}"
+        shard.reason = shard.last_failure = f"{type(error).__name__}: {error}"
         # Lost for good (recreate it) or maybe only unreachable for now (call it again): by type
         # and by the state of the future that created the actor, never by message text.
         shard.needs_new_aggregator = shard.needs_new_aggregator or is_worker_loss(error) or self._actor_gone(shard)
@@ -630,8 +666,8 @@ class SummaryWriter:
             except Exception as error:
                 self._failed(shard, error, [])
                 return
-            if shard.owned and shard.actor is not None:
-                shard.old_owned.append(shard.future)
+            if shard.future is not None:
+                shard.old_futures.append(shard.future)  # released at close
             shard.actor, shard.future, shard.owned = actor, future, True
             shard.needs_new_aggregator = False
             shard.restarts += 1
@@ -690,7 +726,7 @@ class SummaryWriter:
                    "unacknowledged_batches": len(shard.unacked), "restarts": shard.restarts,
                    "failures": shard.backoff.failures,
                    "budget_left_seconds": round(shard.backoff.seconds_left(), 3),
-                   "reason": shard.reason, "recovery_seconds": list(shard.recoveries)}
+                   "reason": shard.reason, "last_failure": shard.last_failure, "recovery_seconds": list(shard.recoveries)}
                   for shard in self._shards]
         return {"held_entries": self._held, "max_pending": self.max_pending,
                 "closed": self._closed, "gave_up": self._gave_up, "shards": shards}
@@ -723,15 +759,14 @@ class SummaryWriter:
             with contextlib.suppress(Exception):
                 call.result(timeout=CALL_TIMEOUT_SECONDS)
         for shard in self._shards:
-            futures = ([shard.future] if shard.owned and shard.future is not None else []) + shard.old_owned
+            # a copy's watch future is released too; only the aggregators it built are closed
+            futures = ([shard.future] if shard.future is not None else []) + shard.old_futures
             if shard.creating is not None:
                 futures.append(shard.creating)
             for future in futures:
                 with contextlib.suppress(Exception):
                     future.release()
-            shard.old_owned, shard.creating = [], None
-            if shard.owned:
-                shard.future = None
+            shard.old_futures, shard.creating, shard.future = [], None, None
 
     def __enter__(self) -> SummaryWriter:
         return self
