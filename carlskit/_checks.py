@@ -10,14 +10,36 @@ import numbers
 from typing import Any
 
 
-def integer(value: Any, name: str, minimum: int = 1) -> int:
-    """``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``; else TypeError/ValueError naming ``name``."""
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def integer(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+    """``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]``; else
+    TypeError/ValueError naming ``name``. ``maximum`` bounds size arguments (a huge ``bins`` or
+    capacity must be a clear ``ValueError``, never a ``MemoryError`` later)."""
     expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    if maximum is not None:
+        expected = f"an int in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
-    if value < minimum:
+    if value < minimum or (maximum is not None and value > maximum):
         raise ValueError(f"{name} must be {expected}, got {value!r}")
     return int(value)
+
+
+def int64(value: Any, name: str = "step") -> int:
+    """``value`` as an ``int`` if it is a real integer (Python or numpy, or a 0-d integer array such
+    as a JAX step counter; not a bool, not a string or a float such as ``1.7`` or ``5.0``) that fits in a signed 64-bit integer (steps are stored as
+    int64); else TypeError/ValueError naming ``name``."""
+    if type(value) is int:  # the common case, checked without the ABC machinery
+        if INT64_MIN <= value <= INT64_MAX:
+            return value
+    elif isinstance(value, bool) or not (isinstance(value, numbers.Integral) or _integer_scalar_array(value)):
+        raise TypeError(f"{name} must be an int (int64), got {value!r} ({type(value).__name__})")
+    value = int(value)
+    if not INT64_MIN <= value <= INT64_MAX:
+        raise ValueError(f"{name} must fit in int64 [-2**63, 2**63 - 1], got {value!r}")
+    return value
 
 
 def positive_int(value: Any, name: str) -> int:
@@ -42,3 +64,9 @@ def finite_float(value: Any, name: str, *, minimum: float | None = None, positiv
 def positive_float(value: Any, name: str) -> float:
     """``value`` as a finite ``float > 0``; else TypeError/ValueError naming ``name``."""
     return finite_float(value, name, positive=True)
+
+
+def _integer_scalar_array(value: Any) -> bool:
+    """A 0-d array of an integer dtype (numpy or JAX), told by its dtype, not by importing either."""
+    dtype = getattr(value, "dtype", None)
+    return getattr(value, "shape", None) == () and getattr(dtype, "kind", None) in ("i", "u")

@@ -2,10 +2,14 @@
 summary name, a checksummed append-only file format, and an incremental reader.
 
 The file format is specified in :mod:`carlskit.summaries._format` and docs/summaries_format.md.
+Delivery: batches are held until their aggregator acknowledges them and re-sent to a recreated
+aggregator after a lost worker; readers drop repeats (at-least-once on disk, exactly-once as read).
+TensorBoard export: ``SummaryReader.to_tensorboard`` and ``python -m carlskit.summaries export``.
 """
 
 from carlskit.summaries._format import CorruptRecordError
 from carlskit.summaries._reader import SummaryReader
-from carlskit.summaries._writer import SummaryAggregator, SummaryWriter, shard_of
+from carlskit.summaries._writer import SummaryAggregator, SummaryAggregatorError, SummaryWriter, shard_of
 
-__all__ = ["SummaryWriter", "SummaryReader", "SummaryAggregator", "CorruptRecordError", "shard_of"]
+__all__ = ["SummaryWriter", "SummaryReader", "SummaryAggregator", "SummaryAggregatorError",
+           "CorruptRecordError", "shard_of"]

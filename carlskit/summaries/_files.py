@@ -52,25 +52,28 @@ class SummaryFiles:
             self._files[level] = descriptor
         return descriptor
 
-    def append(self, batches: list[Batch]) -> int:
-        """Write every batch as one record (plus decimated scalar records); return entries written."""
+    def append(self, batches: list[Batch], writer_id: int = 0, sequence: int = 0) -> int:
+        """Write every batch as one record (plus decimated scalar records) marked as batch
+        ``sequence`` of writer ``writer_id`` (readers drop a repeat of that mark); return entries
+        written."""
         per_level: dict[int, list[bytes]] = {}
         entries = 0
         with self._lock:
             for kind, name, count, columns in batches:
                 if count == 0:
                     continue
-                per_level.setdefault(0, []).append(_format.encode_record(kind, name, count, columns))
+                mark = (writer_id, sequence)
+                per_level.setdefault(0, []).append(_format.encode_record(kind, name, count, columns, *mark))
                 entries += count
                 if kind == _format.SCALARS:
-                    self._decimate(name, count, columns, per_level)
+                    self._decimate(name, count, columns, per_level, mark)
             for level in sorted(per_level):
                 _write_all(self._descriptor(level), b"".join(per_level[level]))
                 self.records_written += len(per_level[level])
             self.entries_written += entries
         return entries
 
-    def _decimate(self, name: str, count: int, columns: list[np.ndarray], per_level) -> None:
+    def _decimate(self, name: str, count: int, columns: list[np.ndarray], per_level, mark) -> None:
         seen = self._points_seen.get(name, 0)
         self._points_seen[name] = seen + count
         for level in range(1, _format.DECIMATION_LEVELS + 1):
@@ -80,7 +83,7 @@ class SummaryFiles:
                 break  # coarser levels have a larger stride, so they keep nothing either
             kept = [column[first::stride] for column in columns]
             per_level.setdefault(level, []).append(
-                _format.encode_record(_format.SCALARS, name, len(kept[0]), kept)
+                _format.encode_record(_format.SCALARS, name, len(kept[0]), kept, *mark)
             )
 
     def flush_to_disk(self) -> None:

@@ -1,4 +1,4 @@
-"""The carlskit summary file format (version 1): append-only, checksummed, columnar records.
+"""The carlskit summary file format (version 2): append-only, checksummed, columnar records.
 
 A log directory holds many files; each is written by exactly one process (one aggregator actor or
 one direct writer) and only ever appended to, so readers never need a lock. A file never outlives
@@ -12,19 +12,29 @@ File names::
 
 File layout (all integers little-endian)::
 
-    file header, 16 bytes:  magic b"CARLSSUM" | u32 format_version (= 1) | u32 level
+    file header, 20 bytes:  magic b"CARLSSUM" | u32 format_version (= 2) | u32 level
+                            | u32 crc32(the 16 bytes before)
     record*:                u32 payload_length | u32 crc32(payload_length as 4 bytes)
                             | u32 crc32(payload) | payload (payload_length bytes)
 
 ``crc32`` is zlib's CRC-32 (IEEE 802.3). The length has its own checksum so a corrupted length is
-told apart from a record still being written.
+told apart from a record still being written; the header has its own so a flipped level or version
+is not silently believed. Every byte of a file is covered by a checksum.
 
 Payload (one summary name, a batch of entries, columnar)::
 
     u16 kind | u16 name_length | u32 entry_count | u32 column_count | u32 reserved (= 0)
+    | u64 writer_id | u64 sequence
     name (UTF-8, name_length bytes)
     column_count x (u8 dtype code | 3 bytes zero | u32 element_count)
     column data, back to back, in the order of the descriptors
+
+``writer_id`` (random per writer object, copies included) and ``sequence`` (numbered per writer
+and shard, one number per flush of that shard) identify the batch the record came from. A writer
+re-sends a batch its aggregator did not acknowledge (the aggregator's worker died), so a batch can
+be in the files twice (written, then the worker died before the acknowledgement); readers keep the
+first record of each ``(kind, name, writer_id, sequence)`` and drop repeats: at-least-once on disk,
+exactly-once as read.
 
 dtype codes: ``q`` int64, ``d`` float64, ``I`` uint32, ``Q`` uint64, ``B`` uint8. Columns by kind
 (n = entry_count):
@@ -36,13 +46,17 @@ dtype codes: ``q`` int64, ``d`` float64, ``I`` uint32, ``Q`` uint64, ``B`` uint8
                   values d[sum(lengths)]: a uniform random subsample of each array, in order
     4 texts       steps q[n], wall_times d[n], lengths I[n], data B[sum(lengths)] (UTF-8)
 
+Version 1 (read, never written) had a 16-byte header without its checksum and payloads without
+``writer_id``/``sequence`` (never de-duplicated).
+
 Reading rules: a reader returns every complete record. A tail shorter than a record header, or a
 header whose payload is not all there yet, is *incomplete*: not an error; the reader keeps its
 offset there and picks the record up once it is complete. A record whose length checksum or payload
-checksum does not match is *corrupt*: with ``on_corrupt="raise"`` (the default) the reader raises
-:class:`CorruptRecordError` naming the file and offset; with ``on_corrupt="skip"`` it counts the
-record in ``SummaryReader.corrupt_records``, skips it (scanning forward to the next valid record
-when the length itself is damaged) and goes on.
+checksum does not match, or a file header that fails its checksum, is *corrupt*: with
+``on_corrupt="raise"`` (the default) the reader raises :class:`CorruptRecordError` (a
+:class:`carlskit.CorruptFileError`) naming the file and offset; with ``on_corrupt="skip"`` it counts
+the record in ``SummaryReader.corrupt_records``, skips it (scanning forward to the next valid record
+when the length itself is damaged; a file whose header is damaged, for good) and goes on.
 """
 
 from __future__ import annotations
@@ -53,11 +67,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from carlskit._errors import CorruptFileError
+
 MAGIC = b"CARLSSUM"
-FORMAT_VERSION = 1
-FILE_HEADER = struct.Struct("<8sII")
+FORMAT_VERSION = 2
+FILE_HEADER_V1 = struct.Struct("<8sII")
+FILE_HEADER = struct.Struct("<8sIII")  # version 2: the v1 fields, then crc32 of them
 RECORD_HEADER = struct.Struct("<III")
-PAYLOAD_HEADER = struct.Struct("<HHIII")
+PAYLOAD_HEADER_V1 = struct.Struct("<HHIII")
+PAYLOAD_HEADER = struct.Struct("<HHIIIQQ")  # version 2: v1's, then writer_id, sequence
 COLUMN_DESCRIPTOR = struct.Struct("<c3xI")
 
 SCALARS, HISTOGRAMS, SAMPLES, TEXTS = 1, 2, 3, 4
@@ -71,32 +89,54 @@ _DTYPES = {b"q": np.dtype("<i8"), b"d": np.dtype("<f8"), b"I": np.dtype("<u4"),
 _CODES = {dtype: code for code, dtype in _DTYPES.items()}
 
 
-class CorruptRecordError(ValueError):
-    """A record whose checksum does not match: the file was damaged after it was written."""
+class CorruptRecordError(CorruptFileError):
+    """A record (or file header) whose checksum does not match: the file was damaged after it was
+    written. A :class:`carlskit.CorruptFileError` (so a ``ValueError``) with ``path``, ``offset``
+    and ``reason``."""
 
     def __init__(self, path: str, offset: int, reason: str):
-        super().__init__(f"corrupt summary record in {path!r} at byte {offset}: {reason}")
-        self.path, self.offset, self.reason = path, offset, reason
+        self.offset, self.reason = offset, reason
+        super().__init__(path, f"summary record at byte {offset}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.path, self.offset, self.reason))
 
 
 def file_header(level: int) -> bytes:
-    return FILE_HEADER.pack(MAGIC, FORMAT_VERSION, level)
+    head = FILE_HEADER_V1.pack(MAGIC, FORMAT_VERSION, level)
+    return head + zlib.crc32(head).to_bytes(4, "little")
 
 
-def check_file_header(data: bytes, path: str) -> int:
-    """Return the decimation level from a file's 16-byte header; raise on a foreign file."""
-    magic, version, level = FILE_HEADER.unpack_from(data, 0)
+def header_size(data: bytes) -> int:
+    """Bytes of the file header, from the first 16 bytes (its version): 20, or 16 for version 1."""
+    return FILE_HEADER_V1.size if FILE_HEADER_V1.unpack_from(data, 0)[1] == 1 else FILE_HEADER.size
+
+
+def check_file_header(data: bytes, path: str) -> tuple[int, int]:
+    """Return ``(version, level)`` from a file's header; raise :class:`CorruptRecordError` (at
+    byte 0) on a foreign or damaged header."""
+    magic, version, level = FILE_HEADER_V1.unpack_from(data, 0)
     if magic != MAGIC:
-        raise ValueError(f"{path!r} is not a carlskit summary file (magic {magic!r})")
+        raise CorruptRecordError(path, 0, f"not a carlskit summary file header (magic {magic!r})")
+    if version == 1:
+        return version, level  # version 1 headers carry no checksum
+    (crc,) = struct.unpack_from("<I", data, FILE_HEADER_V1.size)
+    if zlib.crc32(data[:FILE_HEADER_V1.size]) != crc:
+        raise CorruptRecordError(path, 0, "file header checksum mismatch")
     if version != FORMAT_VERSION:
-        raise ValueError(f"{path!r} has summary format version {version}; this reader reads {FORMAT_VERSION}")
-    return level
+        raise CorruptRecordError(path, 0, f"summary format version {version}; this reader reads 1 and 2")
+    if not 0 <= level <= DECIMATION_LEVELS:
+        raise CorruptRecordError(path, 0, f"level {level} in the header is not in [0, {DECIMATION_LEVELS}]")
+    return version, level
 
 
-def encode_record(kind: int, name: str, count: int, columns: list[np.ndarray]) -> bytes:
-    """One framed record (header + payload) holding ``count`` entries of one summary name."""
+def encode_record(kind: int, name: str, count: int, columns: list[np.ndarray],
+                  writer_id: int = 0, sequence: int = 0) -> bytes:
+    """One framed record (header + payload) holding ``count`` entries of one summary name, from
+    batch ``sequence`` of writer ``writer_id``."""
     name_bytes = name.encode("utf-8")
-    parts = [PAYLOAD_HEADER.pack(kind, len(name_bytes), count, len(columns), 0), name_bytes]
+    parts = [PAYLOAD_HEADER.pack(kind, len(name_bytes), count, len(columns), 0, writer_id, sequence),
+             name_bytes]
     arrays = []
     for column in columns:
         array = np.ascontiguousarray(column)
@@ -115,11 +155,16 @@ class Record:
     name: str
     count: int
     columns: list[np.ndarray]  # zero-copy views into the block the record was read from
+    batch: tuple[int, int] | None = None  # (writer_id, sequence); None in version 1 files
 
 
-def decode_payload(block: bytes, start: int, length: int) -> Record:
-    kind, name_length, count, column_count, _ = PAYLOAD_HEADER.unpack_from(block, start)
-    position = start + PAYLOAD_HEADER.size
+def decode_payload(block: bytes, start: int, length: int, version: int = FORMAT_VERSION) -> Record:
+    if version == 1:
+        kind, name_length, count, column_count, _ = PAYLOAD_HEADER_V1.unpack_from(block, start)
+        batch, position = None, start + PAYLOAD_HEADER_V1.size
+    else:
+        kind, name_length, count, column_count, _, writer_id, sequence = PAYLOAD_HEADER.unpack_from(block, start)
+        batch, position = (writer_id, sequence), start + PAYLOAD_HEADER.size
     name = bytes(block[position:position + name_length]).decode("utf-8")
     position += name_length
     descriptors = []
@@ -133,10 +178,10 @@ def decode_payload(block: bytes, start: int, length: int) -> Record:
         position += size * dtype.itemsize
     if position != start + length:
         raise ValueError(f"payload layout ends at {position - start} bytes, length says {length}")
-    return Record(kind, name, count, columns)
+    return Record(kind, name, count, columns, batch)
 
 
-def scan_records(block: bytes, path: str, base_offset: int, on_corrupt: str):
+def scan_records(block: bytes, path: str, base_offset: int, on_corrupt: str, version: int = FORMAT_VERSION):
     """Parse complete records from ``block`` (bytes of a file starting at ``base_offset``).
 
     Returns ``(records, consumed, corrupt)``: the decoded records, how many bytes of ``block`` were
@@ -156,7 +201,7 @@ def scan_records(block: bytes, path: str, base_offset: int, on_corrupt: str):
             start = position + header_size
             if zlib.crc32(memoryview(block)[start:start + length]) == payload_crc:
                 try:
-                    records.append(decode_payload(block, start, length))
+                    records.append(decode_payload(block, start, length, version))
                 except (ValueError, KeyError, struct.error, UnicodeDecodeError) as error:
                     reason = f"payload checksum matches but layout is invalid: {error}"
                 else:

@@ -17,8 +17,13 @@ class _Level:
 
     def __init__(self):
         self.offsets: dict[Path, int] = {}  # bytes consumed per file (header included)
+        self.versions: dict[Path, int] = {}  # format version per file, from its header
         self.records: dict[tuple[int, str], list[_format.Record]] = {}
         self.counts: dict[tuple[int, str], int] = {}
+        # (writer_id, sequence) of the records kept, per summary: a batch re-sent after its
+        # aggregator died may be in the files twice (at-least-once delivery); reads are exactly-once.
+        self.batches: dict[tuple[int, str], set[tuple[int, int]]] = {}
+        self.duplicates = 0
 
 
 class SummaryReader:
@@ -31,9 +36,14 @@ class SummaryReader:
 
     Args:
       logdir: the writer's ``logdir``.
-      on_corrupt: ``"raise"`` (default) raises :class:`CorruptRecordError` on a record whose CRC32
-        does not match (or on a ``*.summaries`` file whose header is not a carlskit one);
+      on_corrupt: ``"raise"`` (default) raises :class:`CorruptRecordError` (a
+        :class:`carlskit.CorruptFileError` naming the file and byte offset) on a record whose CRC32
+        does not match, or on a ``*.summaries`` file whose header is not an intact carlskit one;
         ``"skip"`` skips it (such a file for good) and counts it in :attr:`corrupt_records`.
+
+    A batch re-sent by a writer after its aggregator was lost can be in the files twice; the
+    reader keeps one copy (by its writer id and sequence number) and counts the rest in
+    :attr:`duplicate_records`.
     """
 
     def __init__(self, logdir: str | os.PathLike, *, on_corrupt: str = "raise"):
@@ -76,31 +86,47 @@ class SummaryReader:
             size = path.stat().st_size
         except FileNotFoundError:
             return 0
-        if size - offset < (_format.FILE_HEADER.size if offset == 0 else _format.RECORD_HEADER.size):
+        if size - offset < (_format.FILE_HEADER_V1.size if offset == 0 else _format.RECORD_HEADER.size):
             return 0
         with open(path, "rb") as file:
             if offset == 0:
+                head = file.read(_format.FILE_HEADER.size)
+                if len(head) < _format.header_size(head):
+                    return 0  # a version 2 header still being written
                 try:
-                    _format.check_file_header(file.read(_format.FILE_HEADER.size), str(path))
-                except ValueError:
+                    version, _ = _format.check_file_header(head, str(path))
+                except _format.CorruptRecordError:
                     if self.on_corrupt == "raise":
                         raise
                     self._foreign.add(path)  # skip it from now on, counted once
                     self.corrupt_records += 1
                     return 0
-                offset = _format.FILE_HEADER.size
+                state.versions[path] = version
+                offset = _format.header_size(head)
             file.seek(offset)
             block = file.read(size - offset)
-        records, consumed, corrupt = _format.scan_records(block, str(path), offset, self.on_corrupt)
+        records, consumed, corrupt = _format.scan_records(
+            block, str(path), offset, self.on_corrupt, state.versions[path])
         self.corrupt_records += corrupt
         state.offsets[path] = offset + consumed
         new_entries = 0
         for record in records:
             key = (record.kind, record.name)
+            if record.batch is not None:
+                seen = state.batches.setdefault(key, set())
+                if record.batch in seen:
+                    state.duplicates += 1
+                    continue
+                seen.add(record.batch)
             state.records.setdefault(key, []).append(record)
             state.counts[key] = state.counts.get(key, 0) + record.count
             new_entries += record.count
         return new_entries
+
+    @property
+    def duplicate_records(self) -> int:
+        """Records dropped as repeats of a batch already read (all levels read so far)."""
+        return sum(level.duplicates for level in self._levels.values())
 
     def _columns(self, kind: int, name: str, level: int = 0) -> list[np.ndarray] | None:
         """Fresh, writable arrays of one summary (one copy out of the read blocks)."""
@@ -206,6 +232,21 @@ class SummaryReader:
         raw = data.tobytes()
         texts = [raw[bounds[i]:bounds[i + 1]].decode("utf-8") for i in range(len(lengths))]
         return pd.DataFrame({"step": steps, "wall_time": wall_times, "text": texts})
+
+    def to_tensorboard(self, logdir: str | os.PathLike) -> dict:
+        """Write every summary in this log directory to a new TensorBoard event file in
+        ``logdir`` (scalars, histograms, texts; array subsamples as histograms) and return counts
+        of what was written and the file's ``path``. Needs tensorboardX (``pip install
+        'carlskit[tensorboard]'``); see :mod:`carlskit.summaries._tensorboard` for the mapping.
+        Also ``python -m carlskit.summaries export SRC DST``."""
+        if not isinstance(logdir, (str, os.PathLike)):
+            raise TypeError(f"logdir must be a path, got {type(logdir).__name__}")
+        if Path(logdir).resolve() == self.logdir.resolve():
+            raise ValueError(f"logdir must differ from the summaries' own directory {str(self.logdir)!r}")
+        from carlskit.summaries._tensorboard import export
+
+        with self._lock:
+            return export(self, logdir)
 
     def __repr__(self) -> str:
         return f"SummaryReader({str(self.logdir)!r})"

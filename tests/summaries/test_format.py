@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 
+from carlskit._errors import CorruptFileError
 from carlskit.summaries import CorruptRecordError, SummaryReader, SummaryWriter
 from carlskit.summaries import _format
 
@@ -45,14 +46,59 @@ def test_record_round_trip_every_kind():
         np.testing.assert_array_equal(got, expected)
 
 
-def test_file_header_is_versioned(tmp_path):
+def test_file_header_is_versioned_and_checksummed(tmp_path):
     path = write_batches(tmp_path, 1, 5)
-    magic, version, level = _format.FILE_HEADER.unpack_from(path.read_bytes(), 0)
-    assert (magic, version, level) == (b"CARLSSUM", 1, 0)
+    magic, version, level, crc = _format.FILE_HEADER.unpack_from(path.read_bytes(), 0)
+    assert (magic, version, level) == (b"CARLSSUM", 2, 0)
+    assert crc == zlib.crc32(path.read_bytes()[:16])
     foreign = tmp_path / "other.level0.summaries"
-    foreign.write_bytes(b"NOTOURS!" + bytes(8))
-    with pytest.raises(ValueError, match="not a carlskit summary file"):
+    foreign.write_bytes(b"NOTOURS!" + bytes(12))
+    with pytest.raises(CorruptFileError, match="not a carlskit summary file"):
         SummaryReader(tmp_path).names()
+
+
+@pytest.mark.parametrize("offset", range(20))
+def test_a_damaged_file_header_byte_is_a_corrupt_file_naming_it(tmp_path, offset):
+    path = write_batches(tmp_path, 2, 5)
+    flip_byte(path, offset)  # e.g. the level: believed, it would file the records under level 90
+    with pytest.raises(CorruptFileError, match="level0.summaries") as caught:
+        SummaryReader(tmp_path).names()
+    assert caught.value.path == str(path)
+    reader = SummaryReader(tmp_path, on_corrupt="skip")
+    assert reader.names() == [] and reader.corrupt_records == 1
+
+
+def test_every_single_byte_corruption_of_a_summary_file_is_detected(tmp_path):
+    with SummaryWriter(tmp_path, flush_every_seconds=60) as writer:
+        writer.scalar("loss", 0.5, 3)
+        writer.array("weights", np.arange(4.0), 3, bins=2)
+        writer.array("sampled", np.arange(4.0), 3, mode="samples")
+        writer.text("note", "hé", 3)
+    (path,) = tmp_path.glob("*.level0.summaries")
+    intact = path.read_bytes()
+    for offset in range(len(intact)):
+        flip_byte(path, offset)
+        with pytest.raises(CorruptFileError) as caught:
+            reader = SummaryReader(tmp_path)
+            for name in reader.names():
+                pass
+        assert caught.value.path == str(path), offset
+        path.write_bytes(intact)
+    reader = SummaryReader(tmp_path)
+    assert reader.names() == ["loss", "note", "sampled", "weights"]
+
+
+def test_version_1_files_without_header_checksum_or_batch_marks_are_still_read(tmp_path):
+    columns = [np.arange(3, dtype=np.int64), np.array([0.5, 1.5, 2.5]), np.array([1.0, 2.0, 3.0])]
+    name = b"old/loss"
+    payload = _format.PAYLOAD_HEADER_V1.pack(_format.SCALARS, len(name), 3, 3, 0) + name
+    payload += b"".join(_format.COLUMN_DESCRIPTOR.pack(code, 3) for code in (b"q", b"d", b"d"))
+    payload += b"".join(column.tobytes() for column in columns)
+    record = _format.RECORD_HEADER.pack(len(payload), zlib.crc32(len(payload).to_bytes(4, "little")),
+                                        zlib.crc32(payload)) + payload
+    (tmp_path / "old.level0.summaries").write_bytes(_format.FILE_HEADER_V1.pack(b"CARLSSUM", 1, 0) + record)
+    frame = SummaryReader(tmp_path).scalars("old/loss")
+    assert frame["step"].tolist() == [0, 1, 2] and frame["value"].tolist() == [1.0, 2.0, 3.0]
 
 
 @pytest.mark.parametrize("cut", [1, 5, 11, 12, 13, 40])
