@@ -65,6 +65,7 @@ from carlskit.training import CheckpointStore
 logger = logging.getLogger("carlskit.lopt.meta_training")
 SERVICE_START_SECONDS = 120.0  # a learner's construction (JAX import, checkpoint load) on a fresh worker
 UPDATE_TIMEOUT_SECONDS = 60.0
+STATUS_TIMEOUT_SECONDS = 10.0  # status() is polled by widgets: never blocks them for long
 
 
 class MetaTraining:
@@ -465,8 +466,11 @@ class MetaTraining:
         """The learner's figures (outer step, gradients/s, staleness histogram, dropped fraction...)."""
         if self._driver is None:
             return dict(self._last_learner_status)
+        down = self._learner_down()
+        if down is not None:  # no call on actors known to be gone: the last figures, and why
+            return {**self._last_learner_status, "error": f"waiting for {down}"}
         try:
-            self._last_learner_status = call(self.learner, "status", timeout=30)
+            self._last_learner_status = call(self.learner, "status", timeout=STATUS_TIMEOUT_SECONDS)
         except Exception as error:
             return {**self._last_learner_status, "error": repr(error)}
         return dict(self._last_learner_status)
@@ -475,15 +479,18 @@ class MetaTraining:
         """One dict for ``ClusterStatus``: the services' supervision state (``services``), learner,
         store, workers, restarts, outages (``recoveries``), errors, evaluation."""
         services = self.services()
-        learner = self.learner_status() if self._learner_state in ("running", "stopped") else \
-            dict(self._last_learner_status)
+        learner = self.learner_status()
         report = {key: learner.get(key) for key in ("outer_step", "resumed_from", "outer_loss",
                                                     "gradients_per_second", "dropped_fraction", "received",
                                                     "applied", "rejected", "latest_checkpoint",
                                                     "mean_update_seconds")}
         report["staleness_counts"] = learner.get("staleness_counts")
         try:
-            report["store"] = call(self.gradient_store, "status", timeout=30) if self.gradient_store else None
+            if self._driver is not None and self._learner_down() is not None:
+                report["store"] = "down with the learner"
+            else:
+                report["store"] = call(self.gradient_store, "status", timeout=STATUS_TIMEOUT_SECONDS) \
+                    if self.gradient_store else None
         except Exception as error:
             report["store"] = repr(error)
         report["es_workers"] = self.num_workers

@@ -135,10 +135,10 @@ def test_learner_outage_longer_than_the_old_restart_loop_is_waited_out(client, t
         restarts_before = training._tasks.restarts
         restore = take_checkpoints_away(training)
         killed_at = kill_learner_worker(client, training)
-        wait_until(lambda: training.status()["services"]["learner"]["state"] == "restarting", seconds=30)
+        wait_until(lambda: training.services()["learner"]["state"] == "restarting", seconds=60)
         time.sleep(max(0.0, 25.0 - (time.monotonic() - killed_at)))  # down for 25 s (> ~22 s)
         services = training.status()["services"]
-        assert services["learner"]["state"] == "restarting" and services["learner"]["failures"] >= 2
+        assert services["learner"]["state"] == "restarting" and services["learner"]["failures"] >= 1
         assert services["es worker 0"]["state"] in ("waiting", "running"), services
         relaunches_while_down = training._tasks.restarts - restarts_before
         restore()
