@@ -57,6 +57,31 @@ REJECTION_REASONS = ("malformed", "shape", "dtype", "non_finite", "outer_step", 
                      "task_family")
 
 
+def load_newest_intact(checkpoints: CheckpointStore, load: Any, skipped: dict[int, str] | None = None
+                       ) -> tuple[int, Any] | None:
+    """``(version, load(version))`` for the newest checkpoint that loads, or ``None`` when there is none.
+
+    The reader of a series: a checkpoint that cannot be read (``ValueError``: corrupt, which
+    includes :class:`carlskit.CorruptFileError`, or written for another rule) is skipped, logged and
+    recorded in ``skipped`` with its reason, and the one before it is tried; if every one fails,
+    the newest's error is raised (never a silent fresh start).
+    """
+    first_error: Exception | None = None
+    for version in reversed(checkpoints.versions()):
+        try:
+            return int(version), load(version)
+        except FileNotFoundError:  # pruned between listing and reading
+            continue
+        except ValueError as error:
+            first_error = first_error or error
+            if skipped is not None:
+                skipped[int(version)] = f"{type(error).__name__}: {error}"
+            logger.error("checkpoint %d unreadable, trying the one before: %s", version, error)
+    if first_error is not None:
+        raise first_error
+    return None
+
+
 def last_logged_step(logdir: str) -> int:
     """The highest step of the learner's scalar summaries in ``logdir`` (``-1`` when there are none).
 
@@ -120,13 +145,14 @@ class Learner:
         #: ``{version: reason}`` of checkpoints newer than the one resumed from that could not be read.
         self.skipped_checkpoints: dict[int, str] = {}
         target = {"meta_params": template, "outer_state": self.outer_optimizer.init(template)}
-        resumed = self._load_newest_intact(target)
+        resumed = load_newest_intact(self.checkpoints, lambda v: self.checkpoints.load(v, target=target),
+                                     self.skipped_checkpoints)
         if resumed is None:
             self.meta_params, self.outer_state, self.outer_step = template, self.outer_optimizer.init(template), 0
             self.resumed_from = None
             self._save_checkpoint()
         else:
-            version, tree, metadata = resumed
+            version, (tree, metadata) = resumed
             self.meta_params, self.outer_state = tree["meta_params"], tree["outer_state"]
             self.outer_step, self.resumed_from = version, version
             for name in self.stats:
@@ -147,27 +173,6 @@ class Learner:
             if self.resumed_from is not None:
                 self.summary_floor = max(self.resumed_from, last_logged_step(logdir))
             self._writer = SummaryWriter(logdir, flush_every_seconds=0.5)
-
-    def _load_newest_intact(self, target: PyTree) -> tuple[int, PyTree, dict] | None:
-        """``(version, tree, metadata)`` of the newest checkpoint that loads, or ``None`` when there is none.
-
-        Unreadable ones are skipped (recorded); if every one is unreadable, the newest's error is raised.
-        """
-        first_error: Exception | None = None
-        for version in reversed(self.checkpoints.versions()):
-            try:
-                tree, metadata = self.checkpoints.load(version, target=target)
-            except FileNotFoundError:  # pruned between listing and reading
-                continue
-            except ValueError as error:  # CorruptFileError, or written for another rule
-                first_error = first_error or error
-                self.skipped_checkpoints[version] = f"{type(error).__name__}: {error}"
-                logger.error("learner: checkpoint %d unreadable, trying the one before: %s", version, error)
-                continue
-            return int(version), tree, metadata
-        if first_error is not None:
-            raise first_error
-        return None
 
     # ------------------------------------------------------------------ serving workers
     def current(self) -> tuple[int, list[np.ndarray]]:

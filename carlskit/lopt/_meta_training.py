@@ -57,7 +57,7 @@ from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
 from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._gradient_store import GradientStore, call
-from carlskit.lopt._learner import Learner
+from carlskit.lopt._learner import Learner, load_newest_intact
 from carlskit.lopt._optimizer import LearnedOptimizer
 from carlskit.lopt._tasks import Task, TaskFamily
 from carlskit.training import CheckpointStore
@@ -523,8 +523,16 @@ class MetaTraining:
         return min(self.eval_results, key=lambda v: float(np.mean(self.eval_results[v][task_set][split])))
 
     def learned_optimizer(self, version: int | None = None) -> LearnedOptimizer:
-        """A :class:`LearnedOptimizer` with the meta-parameters of checkpoint ``version`` (default latest)."""
-        meta_params, metadata = load_meta_params_checkpoint(self.checkpoints(), self.lopt.rule, version)
+        """A :class:`LearnedOptimizer` with the meta-parameters of checkpoint ``version`` (default: the
+        newest intact one; damaged newer ones are skipped and logged)."""
+        store = self.checkpoints()
+        if version is None:
+            found = load_newest_intact(store, lambda v: load_meta_params_checkpoint(store, self.lopt.rule, v))
+            if found is None:
+                raise FileNotFoundError(f"no checkpoint in {self.checkpoint_path!r}")
+            meta_params, metadata = found[1]
+        else:
+            meta_params, metadata = load_meta_params_checkpoint(store, self.lopt.rule, version)
         info = {**self.lopt.info, "checkpoint": metadata["version"], "outer_step": metadata.get("outer_step")}
         return LearnedOptimizer(self.lopt.rule, meta_params, self.worker_config.num_steps, info)
 

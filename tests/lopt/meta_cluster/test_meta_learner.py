@@ -239,3 +239,19 @@ def test_a_resumed_learner_writes_each_summary_step_once_and_the_first_write_sta
     assert list(frame["step"]) == [1, 2, 3, 4, 5, 6, 7], "every step once"
     assert list(frame["value"]) == [1.0, -2.0, 0.5, 0.25, 4.0, 3.0, 3.0], "the first write of a step stands"
     assert resumed.status()["summaries_skipped"] == 5
+
+
+def test_learned_optimizer_of_a_run_skips_a_damaged_newest_checkpoint(tmp_path):
+    from carlskit.lopt import LearnableAdam, MetaTraining, QuadraticTask
+
+    store = GradientStore()
+    learner = Learner(RULE, store, str(tmp_path / "checkpoints"), checkpoint_every_seconds=1e-6)
+    for value in (1.0, -2.0):
+        store.put_many([record(learner.current()[0], grad_like(learner, value))])
+        learner.update()
+    newest = tmp_path / "checkpoints" / f"v{2:012d}.npz"
+    newest.write_bytes(newest.read_bytes()[:80])
+    training = MetaTraining(LearnableAdam(), QuadraticTask(4, 10.0, 0.1), None, directory=tmp_path)
+    assert training.learned_optimizer().info["checkpoint"] == 1
+    with pytest.raises(ValueError, match="corrupt"):
+        training.learned_optimizer(2)  # asked for by version: no silent substitute
