@@ -3,7 +3,6 @@ old restart loop lasted (~22 s), and a tiny restart budget makes it give up. One
 LocalCluster for the module; recovery times and relaunches are recorded, never asserted."""
 
 import os
-import shutil
 import signal
 import time
 
