@@ -19,6 +19,11 @@ relaunched after its backoff delay. When a piece's budget is spent it is given u
 :meth:`LongRunningTasks.status` says ``"gave up"`` with the reason, and :meth:`LongRunningTasks.check`
 raises :class:`carlskit.ServiceGaveUpError` in the owner's process (``Maker.wait_for_version``,
 ``Trainer.fit`` with makers, ``MetaTraining.wait``).
+
+Pieces that depend on another service (ES workers on the learner) pass ``hold``: while it names a
+reason (the service is known to be down), a piece that ends is *waiting*, not failed: it is not
+counted against its budget and not relaunched (relaunching against a dead service only burns the
+budget), and every waiting piece is relaunched as soon as ``hold`` returns ``None``.
 """
 
 from __future__ import annotations
@@ -190,19 +195,26 @@ class LongRunningTasks:
         before the pieces are relaunched); its exceptions are logged and kept like a piece's, and
         never keep the pieces from being relaunched.
       on_give_up: called with ``(key, reason)`` when a piece is given up.
+      hold: called once per poll; a reason (str) while a service the pieces need is down: pieces
+        ending then wait for it (state ``"waiting"``, no failure counted, no relaunch) and are
+        relaunched when it returns ``None``. Its exceptions are recorded and count as no hold.
     """
 
     def __init__(self, client: Any, name: str, *, piece: str = "piece", poll_seconds: float = 0.2,
                  policy: RestartPolicy | float | None = None, on_poll: Callable[[], None] | None = None,
-                 on_give_up: Callable[[str, str], None] | None = None) -> None:
+                 on_give_up: Callable[[str, str], None] | None = None,
+                 hold: Callable[[], str | None] | None = None) -> None:
         self.client, self.name, self.piece = client, name, piece
-        self.poll_seconds, self.on_poll, self.on_give_up = poll_seconds, on_poll, on_give_up
+        self.poll_seconds, self.on_poll, self.on_give_up, self.hold = poll_seconds, on_poll, on_give_up, hold
         self.policy = restart_policy(policy, "policy")
         #: ``(where, message with traceback)`` of the last ``MAX_KEPT_ERRORS`` errors, oldest first.
         self.errors: list[tuple[str, str]] = []
         self.error_count = 0  # every error recorded, including those no longer kept
         self.restarts = 0
         self.worker_losses = 0  # failures that were a lost worker or a cancelled task
+        self.held_endings = 0  # pieces that ended while ``hold`` said a service they need was down
+        self._held: set[str] = set()  # keys waiting for that service (no failure counted)
+        self._hold_reason: str | None = None
         #: ``{key: reason}`` of the pieces given up after their restart budget was spent.
         self.gave_up: dict[str, str] = {}
         self._last_message: dict[str, str] = {}
@@ -317,9 +329,11 @@ class LongRunningTasks:
     def poll_once(self) -> list[str]:
         """Record pieces that ended, relaunch those whose backoff has passed; returns relaunched keys."""
         relaunched = []
+        held = self._check_hold()
         with self._lock:
             if self._stopping:
                 return relaunched
+            self._hold_reason = held
             now = time.monotonic()
             for key in list(self._running):
                 done, error, trace = self._finished(key)
@@ -333,12 +347,19 @@ class LongRunningTasks:
                 self.worker_losses += is_worker_loss(error)
                 self.record_error(f"{self.piece} {key}", error, trace)
                 reason = f"{type(error).__name__}: {error}"
-                if backoff.failure() is None:
+                if held is not None:  # the service it needs is down: its failure, not this piece's
+                    self.held_endings += 1
+                    self._held.add(key)
+                    self._waiting[key] = reason
+                elif backoff.failure() is None:
                     self._give_up(key, reason)
                 else:
                     self._waiting[key] = reason
             for key in list(self._waiting):
-                if self._backoff[key].ready():
+                if held is not None:
+                    continue  # relaunched once the service is back, not against a dead one
+                if key in self._held or self._backoff[key].ready():
+                    self._held.discard(key)
                     self.restarts += 1
                     try:
                         self._start(key)
@@ -351,6 +372,16 @@ class LongRunningTasks:
                         continue
                     relaunched.append(key)
         return relaunched
+
+    def _check_hold(self) -> str | None:
+        if self.hold is None:
+            return None
+        try:
+            reason = self.hold()
+        except Exception as error:
+            self.record_error("hold", error, traceback.format_exc())
+            return None
+        return None if reason is None else str(reason)
 
     def _supervise(self) -> None:
         # on_poll and poll_once each in their own try: a failing on_poll never stops relaunches.
@@ -376,14 +407,16 @@ class LongRunningTasks:
             raise ServiceGaveUpError("; ".join(self.gave_up.values()))
 
     def status(self) -> dict[str, dict[str, Any]]:
-        """Per piece: ``state`` (running, restarting, gave up, stopped), failures in its streak,
-        seconds of restart budget left, and the last reason it failed."""
+        """Per piece: ``state`` (running, restarting, waiting (for a service ``hold`` names), gave up,
+        stopped), failures in its streak, seconds of restart budget left, and the last reason it failed."""
         with self._lock:
             report = {}
             for key in self._specs:
                 backoff = self._backoff[key]
                 if key in self.gave_up:
                     state, reason = "gave up", self.gave_up[key]
+                elif key in self._waiting and (key in self._held or self._hold_reason is not None):
+                    state, reason = "waiting", f"waiting for {self._hold_reason or 'a service'}; ended with {self._waiting[key]}"
                 elif key in self._waiting:
                     state, reason = "restarting", self._waiting[key]
                 elif key in self._running:

@@ -7,8 +7,9 @@ store under a unique id (batched: ``put_every`` records per call). A round in wh
 diverged (``outer_loss`` NaN, zero gradient) is counted and logged, not put. Meta-parameters from
 the learner that do not fit ``rule`` end the loop with a ValueError naming the leaf. An exception raised while
 estimating is logged, counted and reported, and the loop continues; losing the learner or the
-store (their worker died) ends the loop with that error, so its supervisor relaunches it with the
-rebuilt actors.
+store (their worker died) ends the loop with that error: its supervisor (``MetaTraining``'s
+:class:`carlskit.cluster._supervised.LongRunningTasks` with ``hold``) keeps it waiting, with no
+failure counted, until the learner is rebuilt, then relaunches it with the new actors.
 """
 
 from __future__ import annotations

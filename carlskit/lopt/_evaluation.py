@@ -10,8 +10,20 @@
   aggregates the curves per checkpoint (mean over instances and structures), writes them to
   ``<eval_dir>/v<version>.json`` and to summaries, and records the version in
   ``<eval_dir>/chief_state.json``, all atomically, so a restarted chief neither repeats nor skips.
-  A checkpoint that cannot be loaded, or whose jobs fail ``MAX_ATTEMPTS`` times, is recorded as
-  failed (with the reason) and skipped; the others go on.
+  A checkpoint that cannot be loaded (corrupt: :class:`carlskit.CorruptFileError`), or whose jobs
+  fail ``MAX_ATTEMPTS`` times, is recorded as failed (with the reason) and skipped; the newer and
+  older intact ones go on.
+
+Evaluation workers are supervised (:mod:`carlskit.cluster._supervised`): a job lost with its worker
+(decided by type, :func:`carlskit.cluster._loss.is_worker_loss`) is not the checkpoint's fault, so it
+costs no attempt; the checkpoint's jobs run again after the delay of a :class:`Backoff` under the
+chief's :class:`RestartPolicy`, and only when worker losses go on for longer than its time budget
+does the chief give up (``status()["state"] == "gave up"``, :meth:`EvaluationChief.check` raises
+:class:`carlskit.ServiceGaveUpError`).
+
+Durable files are checksummed JSON (:func:`carlskit._serialization.dumps_checked_json`): a damaged
+state file raises :class:`carlskit.CorruptFileError` naming it; a damaged result file is set aside
+(``corrupt_results``) and its checkpoint evaluated again, so no result is lost or trusted unchecked.
 """
 
 from __future__ import annotations
@@ -19,7 +31,6 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
 import logging
 import os
 import pathlib
@@ -31,7 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit._serialization import atomic_write, dumps_json, filesystem, unflatten_into
+from carlskit._errors import CorruptFileError, ServiceGaveUpError
+from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json, unflatten_into
+from carlskit.cluster._loss import is_worker_loss
+from carlskit.cluster._supervised import Backoff, RestartPolicy
+from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._inner import init_inner_state
 from carlskit.lopt._learner import meta_params_structure
@@ -146,17 +161,21 @@ class EvaluationChief:
         evaluation length), a finite number > 0.
       logdir: summaries directory (``None``: none).
       on_result: called with ``(version, {task_set: {split: curve}})`` when a checkpoint is done.
+      restart_policy: how long jobs lost with their workers are retried (a :class:`RestartPolicy`
+        or a budget in seconds; default 10 minutes).
     """
 
     def __init__(self, rule: Any, checkpoint_path: str, eval_dir: str | os.PathLike, task_sets: list[EvalTaskSet],
                  *, client: Any = None, eval_workers: int = 1, time_scale: float = 1.0, logdir: str | None = None,
-                 on_result: Callable[[int, dict], None] | None = None, workers: list[str] | None = None) -> None:
+                 on_result: Callable[[int, dict], None] | None = None, workers: list[str] | None = None,
+                 restart_policy: RestartPolicy | float | None = None) -> None:
         if not task_sets or not all(isinstance(s, EvalTaskSet) for s in task_sets):
             raise TypeError("task_sets must be a non-empty list of EvalTaskSet")
         if len({s.name for s in task_sets}) != len(task_sets):
             raise ValueError("task_sets must have distinct names")
         eval_workers = positive_int(eval_workers, "eval_workers")
         time_scale = positive_float(time_scale, "time_scale")
+        policy = restart_policy_of(restart_policy, "restart_policy")
         self.rule, self.task_sets, self.client = rule, list(task_sets), client
         self.eval_workers, self.time_scale, self.on_result, self.workers = eval_workers, time_scale, on_result, workers
         self.checkpoints = CheckpointStore(checkpoint_path, keep=None)
@@ -164,12 +183,16 @@ class EvaluationChief:
         self.eval_dir.mkdir(parents=True, exist_ok=True)
         self._fs, _ = filesystem(str(self.eval_dir))
         state = self._read_state()
-        self.evaluated: list[int] = state.get("evaluated", [])
+        self.corrupt_results: dict[int, str] = {}  # {version: problem}: set aside, evaluated again
+        self.evaluated: list[int] = self._intact_results(state.get("evaluated", []))
         self.missing: list[int] = state.get("missing", [])
         #: ``{version: reason}`` of checkpoints given up on (unloadable, or jobs failed MAX_ATTEMPTS times).
         self.failed: dict[int, str] = {int(version): reason for version, reason in state.get("failed", {}).items()}
         self.jobs_run = 0
         self._attempts: dict[int, int] = {}
+        self.worker_losses = 0  # jobs lost with their worker (retried, no attempt counted)
+        self.gave_up: str | None = None
+        self._loss_backoff = Backoff(policy)
         self._in_flight: dict[int, dict[tuple[str, int], Any]] = {}
         self._queue: list[tuple[int, str, int]] = []
         self._meta_leaves: dict[int, list[np.ndarray]] = {}
@@ -186,35 +209,65 @@ class EvaluationChief:
         path = self.eval_dir / STATE_FILE
         if not path.exists():
             return {}
+        state = loads_checked_json(path.read_bytes(), path)
         try:
-            state = json.loads(path.read_text())
             if not isinstance(state, dict):
                 raise ValueError(f"expected a JSON object, got {type(state).__name__}")
             evaluated, missing = list(state.get("evaluated", [])), list(state.get("missing", []))
             failed = {int(version): str(reason) for version, reason in dict(state.get("failed", {})).items()}
             if not all(isinstance(v, int) for v in evaluated + missing):
                 raise ValueError("'evaluated' and 'missing' must be lists of int")
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"{path}: corrupt or not a carlskit evaluation state ({error})") from None
+        except (ValueError, TypeError) as error:  # intact bytes, but not what a chief writes
+            raise CorruptFileError(path, f"not a carlskit evaluation state: {error}") from None
         return {"evaluated": evaluated, "missing": missing, "failed": failed}
 
     def _write_state(self) -> None:
         atomic_write(self._fs, str(self.eval_dir / STATE_FILE),
-                     dumps_json({"evaluated": sorted(self.evaluated), "missing": sorted(self.missing),
-                                 "failed": {str(v): reason for v, reason in sorted(self.failed.items())}}))
+                     dumps_checked_json({"evaluated": sorted(self.evaluated), "missing": sorted(self.missing),
+                                         "failed": {str(v): reason for v, reason in sorted(self.failed.items())}}))
 
     def result_path(self, version: int) -> pathlib.Path:
         return self.eval_dir / f"v{version:012d}.json"
 
+    def _read_result(self, version: int) -> dict[str, dict[str, list[float]]]:
+        path = self.result_path(version)
+        document = loads_checked_json(path.read_bytes(), path)
+        if not isinstance(document, dict) or document.get("version") != version \
+                or not isinstance(document.get("curves"), dict):
+            raise CorruptFileError(path, f"not the evaluation result of checkpoint {version}")
+        return document["curves"]
+
+    def _intact_results(self, evaluated: list[int]) -> list[int]:
+        """The versions of ``evaluated`` whose result file is intact; the others are evaluated again."""
+        intact = []
+        for version in evaluated:
+            try:
+                self._read_result(version)
+            except (CorruptFileError, FileNotFoundError) as error:
+                problem = error.problem if isinstance(error, CorruptFileError) else "result file missing"
+                self.corrupt_results[version] = problem
+                logger.error("evaluation result of checkpoint %d unusable (%s): evaluating it again", version, problem)
+                continue
+            intact.append(version)
+        return intact
+
     def results(self) -> dict[int, dict[str, dict[str, list[float]]]]:
-        """Every evaluated checkpoint's curves ``{version: {task_set: {split: curve}}}`` (from disk)."""
-        return {version: json.loads(self.result_path(version).read_text())["curves"]
-                for version in sorted(self.evaluated) if self.result_path(version).exists()}
+        """Every evaluated checkpoint's curves ``{version: {task_set: {split: curve}}}`` (from disk,
+        checksums checked: a result damaged since is left out and recorded in ``corrupt_results``)."""
+        results = {}
+        for version in sorted(self.evaluated):
+            try:
+                results[version] = self._read_result(version)
+            except (CorruptFileError, FileNotFoundError) as error:
+                self.corrupt_results[version] = getattr(error, "problem", "result file missing")
+        return results
 
     # ------------------------------------------------------------------ one round
     def poll(self) -> list[int]:
         """Enqueue jobs for new checkpoints, collect finished jobs; returns versions completed now."""
         with self._lock:
+            if self.gave_up is not None:
+                return []
             known = set(self.evaluated) | set(self.missing) | set(self.failed) | set(self._in_flight)
             for version in self.checkpoints.versions():
                 if version not in known:
@@ -250,7 +303,7 @@ class EvaluationChief:
 
     def _submit_queued(self) -> None:
         running = sum(1 for jobs in self._in_flight.values() for job in jobs.values() if not job.done())
-        while self._queue and running < self.eval_workers:
+        while self._queue and running < self.eval_workers and self._loss_backoff.ready():
             version, set_name, index = self._queue.pop(0)
             task_set = next(s for s in self.task_sets if s.name == set_name)
             arguments = (self.rule, self._meta_leaves[version], task_set.tasks[index], task_set.seed,
@@ -274,6 +327,18 @@ class EvaluationChief:
                 outcomes = {name: job.result() for name, job in jobs.items()}
             except Exception as error:  # a job failed: run this checkpoint's jobs again, MAX_ATTEMPTS in all
                 del self._in_flight[version]
+                self._queue = [entry for entry in self._queue if entry[0] != version]
+                if is_worker_loss(error):  # not the checkpoint's fault: no attempt, retried under the policy
+                    self.worker_losses += 1
+                    self._attempts[version] = self._attempts.get(version, 1) - 1
+                    if self._loss_backoff.failure() is None:
+                        self._give_up(f"evaluation jobs kept being lost with their workers for "
+                                      f"{self._loss_backoff.policy.budget_seconds:g} s; last: "
+                                      f"{type(error).__name__}: {error}")
+                        return completed
+                    logger.warning("evaluation job of checkpoint %d lost with its worker (%r); retrying", version, error)
+                    self._enqueue(version)
+                    continue
                 attempts = self._attempts.get(version, 0)
                 if attempts >= MAX_ATTEMPTS:
                     self._fail(version, f"evaluation failed {attempts} times, last: {type(error).__name__}: {error}")
@@ -285,7 +350,9 @@ class EvaluationChief:
             curves = {s.name: {split: np.mean([outcomes[(s.name, i)][split] for i in range(len(s.tasks))],
                                               axis=0).tolist() for split in SPLITS} for s in self.task_sets}
             atomic_write(self._fs, str(self.result_path(version)),
-                         dumps_json({"version": version, "wall_time": time.time(), "curves": curves}))
+                         dumps_checked_json({"version": version, "wall_time": time.time(), "curves": curves}))
+            self._loss_backoff.success()
+            self.corrupt_results.pop(version, None)
             self.evaluated.append(version)
             self._write_state()  # after the results: a crash in between re-evaluates, never skips
             del self._in_flight[version]
@@ -327,11 +394,30 @@ class EvaluationChief:
             raise ValueError("no checkpoint has been evaluated yet")
         return min(results, key=lambda v: float(np.mean(results[v][task_set][split])))
 
+    def _give_up(self, reason: str) -> None:
+        self.gave_up = f"evaluation chief gave up: {reason}"
+        logger.error(self.gave_up)
+
+    def check(self) -> None:
+        """Raise :class:`carlskit.ServiceGaveUpError` if the chief gave up (workers kept being lost)."""
+        if self.gave_up is not None:
+            raise ServiceGaveUpError(self.gave_up)
+
+    def supervision(self) -> dict[str, Any]:
+        """The evaluation workers' supervision state, as :meth:`LongRunningTasks.status` reports a piece."""
+        backoff = self._loss_backoff
+        state = "gave up" if self.gave_up else ("restarting" if backoff.failures else "running")
+        return {"state": state, "failures": backoff.failures,
+                "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": self.gave_up,
+                "worker_losses": self.worker_losses}
+
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"evaluated": len(self.evaluated), "latest_evaluated": max(self.evaluated, default=None),
                     "in_flight": sorted(self._in_flight), "queued_jobs": len(self._queue),
-                    "missing": list(self.missing), "failed": dict(self.failed), "jobs_run": self.jobs_run}
+                    "missing": list(self.missing), "failed": dict(self.failed), "jobs_run": self.jobs_run,
+                    "corrupt_results": dict(self.corrupt_results), "worker_losses": self.worker_losses,
+                    "gave_up": self.gave_up}
 
     def close(self) -> None:
         """Drop queued and in-flight work (a new chief redoes it) and flush summaries."""

@@ -1,9 +1,18 @@
 """Meta-parameters on disk without pickle: ONE ``.npz`` holding the arrays and a JSON description.
 
-Layout of ``<name>.npz`` (``format_version`` 2): entries ``leaf_0 .. leaf_{n-1}`` (the meta-parameter
-arrays, real floating dtypes) and ``__carlskit__``, a ``uint8`` array holding UTF-8 JSON
-``{"format_version": 2, "structure": ..., "config": ...}``. ``structure`` describes the nested
-dicts/lists with leaves named ``"leaf:<i>"``; ``config`` is the caller's JSON (rule, horizon, info).
+Layout of ``<name>.npz`` (``format_version`` 3): entries ``leaf_0 .. leaf_{n-1}`` (the meta-parameter
+arrays, real floating dtypes) and ``__carlskit__``, a ``uint8`` array holding the checksummed JSON
+document (:func:`carlskit._serialization.dumps_checked_json`) of
+``{"format_version": 3, "structure": ..., "config": ..., "leaves": {"leaf_<i>": [dtype, shape, sha256]}}``.
+``structure`` describes the nested dicts/lists with leaves named ``"leaf:<i>"``; ``config`` is the
+caller's JSON (rule, horizon, info); ``leaves`` records each array's dtype, shape and the SHA-256 of
+its bytes. So every byte is checked: the description by its own SHA-256, each array by zip's CRC-32
+and by the SHA-256 the description records (an entry rewritten with a valid CRC is still caught).
+Any damage, whichever layer notices it (zip, zlib, JSON, checksum, structure), raises
+:class:`carlskit.CorruptFileError` (a ``ValueError``) naming the file.
+
+Files of ``format_version`` 2 (the same layout with a plain, unchecksummed JSON description) are
+still read, with a warning: re-save them to add the checksums.
 
 Everything is serialized and checked in memory first; then the bytes go to a temporary sibling which
 is renamed over the target (``os.replace``, atomic). A failing save leaves the previous file as it was
@@ -17,14 +26,18 @@ import json
 import math
 import os
 import pathlib
+import warnings
 from typing import Any
 
 import jax
 import numpy as np
 
-from carlskit._serialization import atomic_write, filesystem
+from carlskit._errors import CorruptFileError
+from carlskit._serialization import (atomic_write, dumps_checked_json, filesystem, loads_checked_json,
+                                     npz_bytes_to_arrays, sha256_hex)
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
+LEGACY_FORMAT_VERSION = 2  # plain JSON description, no checksums: still read
 DESCRIPTION_ENTRY = "__carlskit__"
 SUFFIX = ".npz"
 ZIP_MAGIC = b"PK\x03\x04"  # every .npz starts with a zip local file header
@@ -106,6 +119,12 @@ def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
     return buffer.getvalue()
 
 
+def _leaf_record(array: np.ndarray) -> list:
+    """``[dtype, shape, sha256]`` of one array: what the description promises about its entry."""
+    array = np.ascontiguousarray(array)
+    return [array.dtype.str, list(array.shape), sha256_hex(array.tobytes())]
+
+
 # ---------------------------------------------------------------------------------------- writing
 def save_meta_params(path: str | os.PathLike, meta_params: Any, config: dict[str, Any]) -> pathlib.Path:
     """Write ``meta_params`` and the JSON ``config`` to one ``.npz``, atomically; returns the file written.
@@ -119,8 +138,9 @@ def save_meta_params(path: str | os.PathLike, meta_params: Any, config: dict[str
         raise TypeError(f"config must be a dict, got {type(config).__name__}")
     _check_json(config, "config")
     structure, arrays = _flatten(meta_params)
-    document = {"format_version": FORMAT_VERSION, "structure": structure, "config": config}
-    description = json.dumps(document, allow_nan=False, indent=1).encode()
+    document = {"format_version": FORMAT_VERSION, "structure": structure, "config": config,
+                "leaves": {name: _leaf_record(array) for name, array in arrays.items()}}
+    description = dumps_checked_json(document)
     arrays[DESCRIPTION_ENTRY] = np.frombuffer(description, np.uint8)
     data = _npz_bytes(arrays)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -129,12 +149,8 @@ def save_meta_params(path: str | os.PathLike, meta_params: Any, config: dict[str
 
 
 # ---------------------------------------------------------------------------------------- reading
-def _corrupt(file: pathlib.Path, problem: str) -> ValueError:
-    return ValueError(f"{file}: corrupt or not a carlskit learned-optimizer file ({problem})")
-
-
-def _reject_constant(name: str) -> None:
-    raise ValueError(f"non-standard JSON constant {name}")
+def _corrupt(file: pathlib.Path, problem: str) -> CorruptFileError:
+    return CorruptFileError(file, f"not an intact carlskit learned-optimizer file: {problem}")
 
 
 def _rebuild(file: pathlib.Path, structure: Any, arrays: dict[str, np.ndarray], used: set[str]) -> Any:
@@ -154,25 +170,52 @@ def _rebuild(file: pathlib.Path, structure: Any, arrays: dict[str, np.ndarray], 
     raise _corrupt(file, f"bad structure node {json.dumps(structure)[:80]}")
 
 
+def _description(file: pathlib.Path, raw: bytes) -> dict:
+    """The description document: checksummed (format 3), or a legacy plain one (format 2, warned)."""
+    try:
+        plain = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError) as err:
+        raise _corrupt(file, f"bad JSON description: {err}") from err
+    if isinstance(plain, dict) and plain.get("format_version") == LEGACY_FORMAT_VERSION:
+        warnings.warn(f"{file}: learned-optimizer file of format_version {LEGACY_FORMAT_VERSION} has no "
+                      "checksums; re-save it to add them", UserWarning, stacklevel=4)
+        return plain
+    if isinstance(plain, dict) and "format_version" in plain:
+        raise _corrupt(file, f"format_version {plain['format_version']!r}, this reader reads {FORMAT_VERSION} "
+                             f"(and {LEGACY_FORMAT_VERSION})")
+    try:
+        document = loads_checked_json(raw, file)
+    except CorruptFileError as err:
+        raise _corrupt(file, f"JSON description: {err.problem}") from err
+    if not isinstance(document, dict):
+        raise _corrupt(file, f"JSON description is a {type(document).__name__}, expected an object")
+    if document.get("format_version") != FORMAT_VERSION:
+        raise _corrupt(file, f"format_version {document.get('format_version')!r}, this reader reads {FORMAT_VERSION}")
+    return document
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(f"non-standard JSON constant {name}")
+
+
 def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     """Inverse of ``save_meta_params``: ``(meta_params, config)``, arrays as ``jnp`` arrays.
 
     ``path`` may be given with or without ``.npz``. Missing file: ``FileNotFoundError``; anything
-    unreadable (truncated, bit flips, missing entries, bad JSON, leaves not matching the structure):
-    ``ValueError`` naming the file and the problem.
+    damaged (truncated, bit flips in arrays or JSON, zip-level damage, missing entries, leaves not
+    matching the structure or their recorded SHA-256): :class:`carlskit.CorruptFileError` (a
+    ``ValueError``) naming the file and the problem.
     """
     file = meta_params_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such learned-optimizer file")
-    with open(file, "rb") as handle:
-        magic = handle.read(len(ZIP_MAGIC))
-    if magic != ZIP_MAGIC:
-        raise _corrupt(file, "empty file" if not magic else "not an .npz (zip) archive")
+    data = file.read_bytes()
+    if data[:len(ZIP_MAGIC)] != ZIP_MAGIC:
+        raise _corrupt(file, "empty file" if not data else "not an .npz (zip) archive")
     try:
-        with np.load(file, allow_pickle=False) as archive:
-            arrays = {name: archive[name] for name in archive.files}
-    except Exception as err:  # zip, zlib, npy header, pickle refusal...: all mean a bad file
-        raise _corrupt(file, f"{type(err).__name__}: {err}") from err
+        arrays = npz_bytes_to_arrays(data, file)
+    except CorruptFileError as err:  # zip, zlib, npy header, pickle refusal...: all mean a bad file
+        raise _corrupt(file, err.problem) from err
 
     raw = arrays.pop(DESCRIPTION_ENTRY, None)
     if raw is None:
@@ -180,19 +223,20 @@ def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
                              "(.npz + .json) are not read any more")
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise _corrupt(file, f"{DESCRIPTION_ENTRY!r} is {raw.dtype}{list(raw.shape)}, expected 1-D uint8")
-    try:
-        document = json.loads(raw.tobytes().decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError) as err:
-        raise _corrupt(file, f"bad JSON description: {err}") from err
-    if not isinstance(document, dict):
-        raise _corrupt(file, f"JSON description is a {type(document).__name__}, expected an object")
+    document = _description(file, raw.tobytes())
     missing = {"format_version", "structure", "config"} - set(document)
     if missing:
         raise _corrupt(file, f"JSON description lacks {sorted(missing)}")
-    if document["format_version"] != FORMAT_VERSION:
-        raise _corrupt(file, f"format_version {document['format_version']!r}, this reader reads {FORMAT_VERSION}")
     if not isinstance(document["config"], dict):
         raise _corrupt(file, f"config is a {type(document['config']).__name__}, expected an object")
+    if document["format_version"] == FORMAT_VERSION:
+        leaves = document.get("leaves")
+        if not isinstance(leaves, dict) or set(leaves) != set(arrays):
+            listed = sorted(leaves) if isinstance(leaves, dict) else leaves
+            raise _corrupt(file, f"entries {sorted(arrays)[:5]} do not match the recorded leaves {str(listed)[:80]}")
+        for name in sorted(arrays):
+            if _leaf_record(arrays[name]) != leaves[name]:
+                raise _corrupt(file, f"entry {name!r} differs from its recorded dtype, shape or SHA-256")
 
     used: set[str] = set()
     tree = _rebuild(file, document["structure"], arrays, used)

@@ -14,7 +14,18 @@ Rejected records (malformed, grad of the wrong shape or a non-numeric dtype, non
 number, ``task_family`` not a str) and stale gradients are counted per reason, never applied; the
 good records of the same batch are applied. Meta-parameters and the outer optimizer's state are
 checkpointed through :class:`carlskit.training.CheckpointStore` (version = outer step) every
-``checkpoint_every_seconds``; a new learner over the same directory resumes from the latest one.
+``checkpoint_every_seconds``; a new learner over the same directory resumes from the newest *intact*
+one: a checkpoint that cannot be read (corrupt, or not fitting the rule) is recorded in
+``skipped_checkpoints`` with its reason and the next older one is tried; when none can be read the
+learner refuses to start (the error of the newest), never silently starting over from scratch.
+
+Summaries (``learner/*``, step = outer step) are written once per step. A learner resumed from
+checkpoint ``c`` re-reaches steps ``c + 1 .. s`` that its predecessor had already logged before it
+was lost (``s``: the highest ``learner/*`` step on disk). Rule: *the first write of a step stands*;
+the resumed learner writes only steps ``> max(c, s)`` (``summary_floor``), so no step appears twice
+and no logged value is overwritten. Steps ``c + 1 .. s`` keep the values of the lost learner's
+trajectory (what really ran then); steps its writer had not flushed when it died (at most
+``flush_every_seconds``, 0.5 s, of updates) are written by the resumed learner.
 """
 
 from __future__ import annotations
@@ -40,8 +51,46 @@ logger = logging.getLogger("carlskit.lopt.learner")
 PyTree = Any
 STALENESS_BINS = 16  # staleness 0..14, and 15+ in the last bin
 FAMILY_LOSS_DECAY = 0.9
+SUMMARY_SCALARS = ("learner/outer_loss", "learner/gradients_per_second", "learner/dropped_fraction",
+                   "learner/update_seconds")
 REJECTION_REASONS = ("malformed", "shape", "dtype", "non_finite", "outer_step", "future_step", "outer_loss",
                      "task_family")
+
+
+def load_newest_intact(checkpoints: CheckpointStore, load: Any, skipped: dict[int, str] | None = None
+                       ) -> tuple[int, Any] | None:
+    """``(version, load(version))`` for the newest checkpoint that loads, or ``None`` when there is none.
+
+    The reader of a series: a checkpoint that cannot be read (``ValueError``: corrupt, which
+    includes :class:`carlskit.CorruptFileError`, or written for another rule) is skipped, logged and
+    recorded in ``skipped`` with its reason, and the one before it is tried; if every one fails,
+    the newest's error is raised (never a silent fresh start).
+    """
+    first_error: Exception | None = None
+    for version in reversed(checkpoints.versions()):
+        try:
+            return int(version), load(version)
+        except FileNotFoundError:  # pruned between listing and reading
+            continue
+        except ValueError as error:
+            first_error = first_error or error
+            if skipped is not None:
+                skipped[int(version)] = f"{type(error).__name__}: {error}"
+            logger.error("checkpoint %d unreadable, trying the one before: %s", version, error)
+    if first_error is not None:
+        raise first_error
+    return None
+
+
+def last_logged_step(logdir: str) -> int:
+    """The highest step of the learner's scalar summaries in ``logdir`` (``-1`` when there are none).
+
+    Reads the log once (when a learner resumes); damaged records are skipped, not trusted."""
+    from carlskit.summaries import SummaryReader
+
+    reader = SummaryReader(logdir, on_corrupt="skip")
+    steps = [reader.scalars(name)["step"] for name in SUMMARY_SCALARS]
+    return max((int(column.max()) for column in steps if len(column)), default=-1)
 
 
 def meta_params_structure(rule: Any) -> tuple[Any, list[tuple[int, ...]]]:
@@ -93,16 +142,19 @@ class Learner:
                                       "staleness_counts": [0] * STALENESS_BINS, "family_losses": {}}
         self.last_outer_loss = float("nan")
         self._last_checkpoint_time = time.time()
-        latest = self.checkpoints.latest()
-        if latest is None:
+        #: ``{version: reason}`` of checkpoints newer than the one resumed from that could not be read.
+        self.skipped_checkpoints: dict[int, str] = {}
+        target = {"meta_params": template, "outer_state": self.outer_optimizer.init(template)}
+        resumed = load_newest_intact(self.checkpoints, lambda v: self.checkpoints.load(v, target=target),
+                                     self.skipped_checkpoints)
+        if resumed is None:
             self.meta_params, self.outer_state, self.outer_step = template, self.outer_optimizer.init(template), 0
             self.resumed_from = None
             self._save_checkpoint()
         else:
-            target = {"meta_params": template, "outer_state": self.outer_optimizer.init(template)}
-            tree, metadata = self.checkpoints.load(latest, target=target)
+            version, (tree, metadata) = resumed
             self.meta_params, self.outer_state = tree["meta_params"], tree["outer_state"]
-            self.outer_step, self.resumed_from = int(latest), int(latest)
+            self.outer_step, self.resumed_from = version, version
             for name in self.stats:
                 if name in metadata.get("learner", {}):
                     saved = metadata["learner"][name]
@@ -113,9 +165,13 @@ class Learner:
         self._accepted_times: collections.deque = collections.deque(maxlen=256)
         self._started = time.time()
         self._writer = None
+        self.summary_floor = -1  # steps <= this are not logged (already on disk: the first write stands)
+        self.summaries_skipped = 0
         if logdir is not None:
             from carlskit.summaries import SummaryWriter
 
+            if self.resumed_from is not None:
+                self.summary_floor = max(self.resumed_from, last_logged_step(logdir))
             self._writer = SummaryWriter(logdir, flush_every_seconds=0.5)
 
     # ------------------------------------------------------------------ serving workers
@@ -276,6 +332,9 @@ class Learner:
         if self._writer is None:
             return
         step = self.outer_step
+        if step <= self.summary_floor:  # logged by the learner this one replaced: the first write stands
+            self.summaries_skipped += 1
+            return
         received = max(self.stats["received"], 1)
         self._writer.scalar("learner/outer_loss", self.last_outer_loss, step)
         self._writer.scalar("learner/gradients_per_second", self.gradients_per_second(), step)
@@ -297,7 +356,9 @@ class Learner:
                     "update_seconds": self.last_update_seconds,
                     "mean_update_seconds": self._update_seconds_total / max(self._timed_updates, 1),
                     "update_seconds_total": self._update_seconds_total, "timed_updates": self._timed_updates,
-                    "latest_checkpoint": self.checkpoints.latest()}
+                    "latest_checkpoint": self.checkpoints.latest(),
+                    "skipped_checkpoints": dict(self.skipped_checkpoints), "summary_floor": self.summary_floor,
+                    "summaries_skipped": self.summaries_skipped}
 
     def close(self) -> None:
         """Checkpoint the latest meta-parameters and flush summaries."""

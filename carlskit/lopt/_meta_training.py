@@ -6,10 +6,29 @@
 
 One object starts, watches and stops it all from a notebook. With a Dask client the store and the
 learner are actors on one worker (the "service" worker), the ES workers are long-running tasks on
-the others (:class:`carlskit.cluster._supervised.LongRunningTasks` relaunches any that fail or lose
-their worker), and evaluation jobs are ordinary tasks. Without a client everything runs in threads
-of this process. A driver thread here calls ``learner.update()`` in a loop; if the learner's
-worker dies, it rebuilds store and learner, and the new learner resumes from its latest checkpoint.
+the others, and evaluation jobs are ordinary tasks. Without a client everything runs in threads of
+this process. A driver thread here calls ``learner.update()`` in a loop.
+
+Supervision (:mod:`carlskit.cluster._supervised`, one :class:`RestartPolicy` for every service, a
+budget in seconds, default 10 minutes; loss decided by type and actor state, never message text):
+
+* **Learner and gradient store** (actors): when the learner's worker is lost
+  (:func:`carlskit.cluster._loss.actor_lost` on their futures, or their worker gone from the
+  scheduler), the driver rebuilds both, on any live worker, under a :class:`Backoff`: a failed
+  rebuild (no worker yet, checkpoints unreadable) is retried after its delay until the budget is
+  spent, then the learner is *given up*. The new learner resumes from the newest intact checkpoint
+  (:class:`Learner`), so the outer steps since that checkpoint are lost (at most
+  ``checkpoint_every_seconds`` of progress) and re-done; :attr:`recoveries` records each outage.
+* **ES workers** (:class:`LongRunningTasks` with ``hold``): while the learner is known to be down,
+  an ES worker whose call on it fails *waits* (state ``"waiting"``): no failure counted, no relaunch
+  against the dead actors; all are relaunched with the new actors as soon as the learner is back.
+  So an outage of any length up to the learner's budget costs the ES workers no budget. Failures
+  of their own (their worker lost, errors) are relaunched with backoff, on another worker if needed.
+* **Evaluation workers**: jobs lost with their worker are retried by the
+  :class:`EvaluationChief` under the same policy; each checkpoint is evaluated exactly once.
+
+A service that gives up says so in :meth:`MetaTraining.status` (``services``, shown by
+``ClusterStatus``) and :meth:`MetaTraining.wait` raises :class:`carlskit.ServiceGaveUpError`.
 """
 
 from __future__ import annotations
@@ -20,6 +39,7 @@ import html
 import logging
 import os
 import pathlib
+import sys
 import threading
 import time
 import traceback
@@ -29,17 +49,23 @@ from typing import Any
 import numpy as np
 import optax
 
-from carlskit.cluster._supervised import MAX_KEPT_ERRORS, LongRunningTasks, stop_flag
+from carlskit._errors import ServiceGaveUpError
+from carlskit.cluster._loss import actor_lost, is_worker_loss
+from carlskit.cluster._supervised import MAX_KEPT_ERRORS, Backoff, LongRunningTasks, RestartPolicy, stop_flag
+from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
 from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._gradient_store import GradientStore, call
-from carlskit.lopt._learner import Learner
+from carlskit.lopt._learner import Learner, load_newest_intact
 from carlskit.lopt._optimizer import LearnedOptimizer
 from carlskit.lopt._tasks import Task, TaskFamily
 from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.meta_training")
+SERVICE_START_SECONDS = 120.0  # a learner's construction (JAX import, checkpoint load) on a fresh worker
+UPDATE_TIMEOUT_SECONDS = 60.0
+STATUS_TIMEOUT_SECONDS = 10.0  # status() is polled by widgets: never blocks them for long
 
 
 class MetaTraining:
@@ -62,6 +88,9 @@ class MetaTraining:
       eval_num_steps: inner steps of evaluation runs.
       max_gradients_per_update: records the learner takes per update.
       seed: seeds initial meta-parameters (when ``lopt`` has none) and the workers' streams.
+      restart_policy: how every service (learner and store, ES workers, evaluation workers) is
+        restarted: a :class:`carlskit.cluster.RestartPolicy` or a budget in seconds (default: keep
+        trying for 10 minutes, with exponential backoff up to 15 s apart).
     """
 
     def __init__(self, lopt: LearnedOptimizer, task_family: TaskFamily | Task, client: Any = None, *,
@@ -71,7 +100,8 @@ class MetaTraining:
                  checkpoint_every_seconds: float = 600.0, eval_task_sets: list[EvalTaskSet] | None = None,
                  ood_tasks: tuple[Task, ...] = (), eval_num_steps: int | None = None,
                  max_gradients_per_update: int = 64, put_every: int = 1, seed: int = 0,
-                 evaluate: bool = True, summaries: bool = True) -> None:
+                 evaluate: bool = True, summaries: bool = True,
+                 restart_policy: RestartPolicy | float | None = None) -> None:
         from carlskit.lopt._optimizer import _SingleTaskFamily
 
         if not isinstance(lopt, LearnedOptimizer):
@@ -84,6 +114,7 @@ class MetaTraining:
             positive_int(value, name)
         integer(max_staleness, "max_staleness", 0)  # here, not only when start() builds the learner
         positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
+        self.restart_policy = restart_policy_of(restart_policy, "restart_policy")
         self.lopt, self.family, self.client = lopt, family, client
         self.directory = pathlib.Path(directory)
         self.checkpoint_path = str(self.directory / "checkpoints")
@@ -107,7 +138,22 @@ class MetaTraining:
         self.learner_error_count = 0
         self.eval_results: dict[int, dict] = {}
         self._actor_futures: list = []
+        self._services: tuple[Any, Any] = (None, None)  # (learner, store), swapped together on a rebuild
         self._service_worker: str | None = None
+        self._service_address: str | None = None  # where the actors really are
+        self._learner_backoff = Backoff(self.restart_policy)
+        self._learner_state = "stopped"  # running, restarting, gave up, stopped
+        self._learner_reason: str | None = None
+        self.learner_gave_up: str | None = None
+        #: the learner's outer step as the driver last saw it (``None`` before the first update).
+        self.outer_step: int | None = None
+        #: one dict per learner outage: ``outer_step_before``, ``resumed_from``, ``outer_steps_lost``,
+        #: ``seconds`` (loss noticed -> learner rebuilt), ``attempts`` (rebuilds tried).
+        self.recoveries: list[dict[str, Any]] = []
+        self._outage: dict[str, Any] | None = None
+        self._driver_error: BaseException | None = None
+        self._halt = threading.Event()
+        self._errors_reported = 0
         self._tasks: LongRunningTasks | None = None
         self._stop = None
         self._driver: threading.Thread | None = None
@@ -124,23 +170,49 @@ class MetaTraining:
         """Create the gradient store and the learner (resuming from the latest checkpoint)."""
         if self.client is None:
             store = GradientStore()
-            self.learner = Learner(self.lopt.rule, store, self.checkpoint_path, **self.learner_options)
-            self.gradient_store = store
+            learner = Learner(self.lopt.rule, store, self.checkpoint_path, **self.learner_options)
+            self._set_services(learner, store)
             return
         for future in self._actor_futures:
             future.release()
+        self._actor_futures = []
         workers = self._workers()
+        if not workers:
+            raise RuntimeError("no live worker to run the learner on")  # retried under the backoff
         self._service_worker = workers[0]
         placement = dict(workers=[self._service_worker], allow_other_workers=True, pure=False)
         store_future = self.client.submit(GradientStore, actor=True, key=f"gradient-store-{uuid.uuid4().hex[:8]}",
                                           **placement)
-        store = store_future.result()
+        self._actor_futures = [store_future]
+        store = store_future.result(timeout=SERVICE_START_SECONDS)
         learner_future = self.client.submit(Learner, self.lopt.rule, store, self.checkpoint_path, actor=True,
                                             key=f"learner-{uuid.uuid4().hex[:8]}", **placement,
                                             **self.learner_options)
-        self.learner = learner_future.result()
-        self.gradient_store = store
-        self._actor_futures = [store_future, learner_future]
+        self._actor_futures.append(learner_future)
+        learner = learner_future.result(timeout=SERVICE_START_SECONDS)
+        holders = self.client.who_has(learner_future).get(learner_future.key) or ()
+        self._service_address = holders[0] if holders else None
+        self._set_services(learner, store)
+
+    def _set_services(self, learner: Any, store: Any) -> None:
+        self._services = (learner, store)
+        self.learner, self.gradient_store = learner, store
+
+    def _services_lost(self) -> bool:
+        """Are the learner's and store's actors gone? By their futures' state and the worker list."""
+        if self.client is None:
+            return False
+        if any(actor_lost(future) for future in self._actor_futures):
+            return True
+        return self._service_address is not None and self._service_address not in self._workers()
+
+    def _learner_down(self) -> str | None:
+        """Why ES workers must wait for the learner, or ``None`` when it is up (``hold`` of the workers)."""
+        if self._learner_state in ("restarting", "gave up"):
+            return f"the learner ({self._learner_state}: {self._learner_reason})"
+        if self._learner_state == "running" and self._services_lost():
+            return "the learner (its worker was lost)"
+        return None
 
     def _es_worker_placement(self, index: int) -> list[str] | None:
         """ES worker ``index`` prefers the ``index``-th worker other than the learner's (round robin)."""
@@ -150,7 +222,7 @@ class MetaTraining:
         return [others[index % len(others)]] if others else None
 
     def _worker_args(self, index: int):
-        return lambda: (index, self.learner, self.gradient_store, self.family, self.lopt.rule, self.worker_config,
+        return lambda: (index, *self._services, self.family, self.lopt.rule, self.worker_config,
                         self._stop, self._topic, self.logdir)
 
     # ------------------------------------------------------------------ lifecycle
@@ -160,15 +232,19 @@ class MetaTraining:
             raise RuntimeError("this MetaTraining is already running; stop() it first")
         self.directory.mkdir(parents=True, exist_ok=True)
         self._start_services()
+        self._learner_state, self._learner_reason, self.learner_gave_up = "running", None, None
+        self._learner_backoff = Backoff(self.restart_policy)
+        self._halt.clear()
+        self._driver_error = None
         self._stop = stop_flag(self.client, f"{self._topic}-stop")
         if self.evaluate:
             self.chief = EvaluationChief(
                 self.lopt.rule, self.checkpoint_path, self.eval_dir, self.eval_task_sets, client=self.client,
                 eval_workers=self.eval_workers, time_scale=self.worker_config.num_steps / self.eval_task_sets[0].num_steps,
-                logdir=self.logdir, on_result=self._on_eval_result)
+                logdir=self.logdir, on_result=self._on_eval_result, restart_policy=self.restart_policy)
             self.eval_results.update(self.chief.results())
         self._tasks = LongRunningTasks(self.client, f"es-worker-{self._topic[-8:]}", piece="worker",
-                                       on_poll=self._poll_chief)
+                                       on_poll=self._poll_chief, policy=self.restart_policy, hold=self._learner_down)
         for index in range(self.num_workers):
             self._tasks.launch(str(index), run_es_worker, self._worker_args(index),
                                workers=self._es_worker_placement(index))
@@ -187,41 +263,87 @@ class MetaTraining:
         if widget is not None:
             widget.add({version: curves})
 
-    def _learner_alive(self) -> bool:
-        return self.client is None or all(f.status == "finished" for f in self._actor_futures)
-
     def _drive_learner(self) -> None:
+        try:
+            self._drive()
+        except BaseException as error:  # a bug of the driver itself: never silent, raised by wait()
+            self._driver_error = error
+            self._record_learner_error(f"driver failed: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+            logger.exception("meta-training driver failed")
+
+    def _drive(self) -> None:
+        """Update the learner in a loop; rebuild it (with backoff, within the budget) when it is lost."""
         while self._driving.is_set():
+            if self._learner_state == "restarting":
+                if not self._rebuild_services():
+                    return
+                continue
             try:
-                result = call(self.learner, "update", timeout=60)
-                if not result["taken"]:
-                    time.sleep(0.01)
+                result = call(self.learner, "update", timeout=UPDATE_TIMEOUT_SECONDS)
             except Exception as error:
-                if not self._driving.is_set():
+                if not self._driving.is_set() or (self.client is not None and self.client.status != "running"):
                     return
-                self._record_learner_error(f"{type(error).__name__}: {error}\n{traceback.format_exc()}")
-                logger.error("learner update failed: %r", error)
-                if self.client is not None and self.client.status != "running":
+                # Lost (decided by type, or by the actors' state): rebuild. Any other error is the
+                # learner's own: the same learner is asked again after the backoff delay; if the
+                # actors turn out lost by then (their state lags the first error), they are rebuilt.
+                if is_worker_loss(error) or self._services_lost():
+                    self._begin_outage(error)
+                if not self._learner_failed(error, "update"):
                     return
-                time.sleep(0.2)
-                # Its worker is gone (comm error, "Worker holding Actor was lost"): rebuild. Any other
-                # error is the learner's own: recorded above, and the next update tries again.
-                if not self._learner_alive() or isinstance(error, OSError) or "lost" in str(error):
-                    self._restart_services()
+                continue
+            self._learner_backoff.success()
+            self.outer_step = int(result["outer_step"])
+            if not result["taken"]:
+                time.sleep(0.01)
+
+    def _begin_outage(self, error: BaseException) -> None:
+        self._learner_state, self._learner_reason = "restarting", f"{type(error).__name__}: {error}"
+        self._outage = {"outer_step_before": self.outer_step, "started": time.monotonic(), "attempts": 0}
+        logger.warning("learner lost (%s): rebuilding it from its latest checkpoint", self._learner_reason)
+
+    def _rebuild_services(self) -> bool:
+        """One try at rebuilding store and learner; returns False when the driver must end."""
+        outage = self._outage if self._outage is not None else {"outer_step_before": self.outer_step,
+                                                                 "started": time.monotonic(), "attempts": 0}
+        outage["attempts"] += 1
+        try:
+            self._start_services()
+            resumed_from = call(self.learner, "status", timeout=UPDATE_TIMEOUT_SECONDS)["resumed_from"]
+        except Exception as error:  # no worker yet, checkpoints unreadable, the new worker lost too...
+            if not self._driving.is_set():
+                return False
+            self._learner_reason = f"rebuild failed: {type(error).__name__}: {error}"
+            return self._learner_failed(error, "rebuild")
+        before = outage["outer_step_before"]
+        record = {"outer_step_before": before, "resumed_from": resumed_from,
+                  "outer_steps_lost": None if before is None or resumed_from is None else before - resumed_from,
+                  "seconds": round(time.monotonic() - outage["started"], 3), "attempts": outage["attempts"]}
+        self.recoveries.append(record)
+        self.learner_restarts += 1
+        self._outage = None
+        self._learner_state, self._learner_reason = "running", None
+        logger.warning("learner rebuilt from checkpoint %s after %.1f s", resumed_from, record["seconds"])
+        return True
+
+    def _learner_failed(self, error: BaseException, where: str) -> bool:
+        """Record a failure of the learner and wait its backoff delay; False once its budget is spent."""
+        self._record_learner_error(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
+        logger.error("learner %s failed: %r", where, error)
+        delay = self._learner_backoff.failure()
+        if delay is None:
+            self.learner_gave_up = (f"meta-training: gave up the learner after {self._learner_backoff.failures} "
+                                    f"failures in {self.restart_policy.budget_seconds:g} s (restart budget spent); "
+                                    f"last: {where}: {type(error).__name__}: {error}")
+            self._learner_state, self._learner_reason = "gave up", self.learner_gave_up
+            logger.error(self.learner_gave_up)
+            print(self.learner_gave_up, file=sys.stderr, flush=True)
+            return False
+        self._halt.wait(delay)
+        return self._driving.is_set()
 
     def _record_learner_error(self, message: str) -> None:
         self.learner_errors.append(message)
         self.learner_error_count += 1
-
-    def _restart_services(self) -> None:
-        """The learner's worker is gone: rebuild store and learner; workers pick them up when relaunched."""
-        try:
-            self._start_services()
-            self.learner_restarts += 1
-            logger.warning("learner restarted from checkpoint %s", call(self.learner, "status")["resumed_from"])
-        except Exception as error:
-            self._record_learner_error(f"restart failed: {error!r}")
-            time.sleep(0.5)
 
     def stop(self, timeout: float = 60.0, *, evaluate_final: bool = True) -> None:
         """Stop the workers and the driver, checkpoint the learner's latest meta-parameters, evaluate
@@ -234,7 +356,10 @@ class MetaTraining:
                 self._tasks.stop(self._stop, timeout)
         finally:
             self._driving.clear()
+            self._halt.set()
             self._driver.join(timeout)
+            if self._learner_state != "gave up":
+                self._learner_state = "stopped"
             self._driver = None
             try:
                 self._stop_services(timeout, evaluate_final)
@@ -252,6 +377,8 @@ class MetaTraining:
         """Close the learner (a last checkpoint), evaluate that checkpoint, close the chief: each step
         whatever the previous one raised (errors are recorded and logged, never stop the shutdown)."""
         try:
+            if self.learner_gave_up is not None:
+                raise ServiceGaveUpError(self.learner_gave_up)
             self._last_learner_status = call(self.learner, "status", timeout=timeout)
             call(self.learner, "close", timeout=timeout)
         except Exception as error:  # its worker may be gone; the checkpoints on disk remain
@@ -267,19 +394,91 @@ class MetaTraining:
         finally:
             self.chief.close()
 
+    def check(self) -> None:
+        """Raise :class:`carlskit.ServiceGaveUpError` if any service (learner and store, an ES worker,
+        the evaluation workers) was given up, and ``RuntimeError`` if the driver itself failed."""
+        reasons = [self.learner_gave_up] if self.learner_gave_up else []
+        if self._tasks is not None:
+            reasons += list(self._tasks.gave_up.values())
+        if self.chief is not None and self.chief.gave_up:
+            reasons.append(self.chief.gave_up)
+        if reasons:
+            raise ServiceGaveUpError("; ".join(reasons))
+        if self._driver_error is not None:
+            raise RuntimeError(f"the meta-training driver failed: {self._driver_error!r}") from self._driver_error
+
+    def wait(self, outer_step: int | None = None, timeout: float | None = None, *,
+             poll_seconds: float = 0.1) -> int | None:
+        """Block until the learner has reached ``outer_step`` (``None``: until :meth:`stop`, e.g. from
+        another thread or a keyboard interrupt); returns the outer step reached.
+
+        Raises :class:`carlskit.ServiceGaveUpError` as soon as any service gave up (its restart
+        budget spent), ``RuntimeError`` if the driver failed, ``TimeoutError`` after ``timeout``
+        seconds. Errors the services recovered from (a lost worker, a failed round) are not raised:
+        a ``RuntimeWarning`` says how many there were since the last call, and :meth:`status` has them.
+        """
+        if outer_step is not None:
+            outer_step = integer(outer_step, "outer_step", 0)
+        if timeout is not None:
+            timeout = positive_float(timeout, "timeout")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                self.check()
+                if self._driver is None or (outer_step is not None and (self.outer_step or 0) >= outer_step):
+                    return self.outer_step
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"outer step {outer_step} not reached within {timeout:g} s "
+                                       f"(at {self.outer_step}; services: {self._service_states()})")
+                time.sleep(poll_seconds)
+        finally:
+            self._warn_recovered_errors()
+
+    def _warn_recovered_errors(self) -> None:
+        errors = self.learner_error_count + (self._tasks.error_count if self._tasks is not None else 0)
+        new, self._errors_reported = errors - self._errors_reported, errors
+        if new > 0:
+            import warnings
+
+            warnings.warn(f"meta-training recovered from {new} background error(s) since the last wait(); "
+                          f"see status()['services'], learner_errors and the ES workers' errors",
+                          RuntimeWarning, stacklevel=3)
+
+    def _service_states(self) -> dict[str, str]:
+        return {name: info["state"] for name, info in self.services().items()}
+
+    def services(self) -> dict[str, dict[str, Any]]:
+        """Supervision state per service: ``state`` (running, restarting, waiting, gave up, stopped),
+        ``failures`` in the current streak, ``budget_left_seconds`` and the last ``reason``."""
+        backoff = self._learner_backoff
+        report = {"learner": {"state": self._learner_state, "failures": backoff.failures,
+                              "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": self._learner_reason,
+                              "restarts": self.learner_restarts}}
+        if self._tasks is not None:
+            for key, info in self._tasks.status().items():
+                report[f"es worker {key}"] = dict(info)
+        if self.chief is not None:
+            report["evaluation"] = self.chief.supervision()
+        return report
+
     # ------------------------------------------------------------------ results
     def learner_status(self) -> dict[str, Any]:
         """The learner's figures (outer step, gradients/s, staleness histogram, dropped fraction...)."""
         if self._driver is None:
             return dict(self._last_learner_status)
+        down = self._learner_down()
+        if down is not None:  # no call on actors known to be gone: the last figures, and why
+            return {**self._last_learner_status, "error": f"waiting for {down}"}
         try:
-            self._last_learner_status = call(self.learner, "status", timeout=30)
+            self._last_learner_status = call(self.learner, "status", timeout=STATUS_TIMEOUT_SECONDS)
         except Exception as error:
             return {**self._last_learner_status, "error": repr(error)}
         return dict(self._last_learner_status)
 
     def status(self) -> dict[str, Any]:
-        """One dict for ``ClusterStatus``: learner, store, workers, restarts, errors, evaluation."""
+        """One dict for ``ClusterStatus``: the services' supervision state (``services``), learner,
+        store, workers, restarts, outages (``recoveries``), errors, evaluation."""
+        services = self.services()
         learner = self.learner_status()
         report = {key: learner.get(key) for key in ("outer_step", "resumed_from", "outer_loss",
                                                     "gradients_per_second", "dropped_fraction", "received",
@@ -287,7 +486,11 @@ class MetaTraining:
                                                     "mean_update_seconds")}
         report["staleness_counts"] = learner.get("staleness_counts")
         try:
-            report["store"] = call(self.gradient_store, "status", timeout=30) if self.gradient_store else None
+            if self._driver is not None and self._learner_down() is not None:
+                report["store"] = "down with the learner"
+            else:
+                report["store"] = call(self.gradient_store, "status", timeout=STATUS_TIMEOUT_SECONDS) \
+                    if self.gradient_store else None
         except Exception as error:
             report["store"] = repr(error)
         report["es_workers"] = self.num_workers
@@ -295,6 +498,8 @@ class MetaTraining:
         report["worker_restarts"] = self._tasks.restarts if self._tasks is not None else 0
         report["worker_errors"] = self._tasks.error_count if self._tasks is not None else 0
         report["learner_restarts"] = self.learner_restarts
+        report["recoveries"] = [dict(r) for r in self.recoveries]
+        report["services"] = services
         if self.chief is not None:
             report["evaluation"] = self.chief.status()
         report["families"] = [{"task_family": name, **values}
@@ -318,8 +523,16 @@ class MetaTraining:
         return min(self.eval_results, key=lambda v: float(np.mean(self.eval_results[v][task_set][split])))
 
     def learned_optimizer(self, version: int | None = None) -> LearnedOptimizer:
-        """A :class:`LearnedOptimizer` with the meta-parameters of checkpoint ``version`` (default latest)."""
-        meta_params, metadata = load_meta_params_checkpoint(self.checkpoints(), self.lopt.rule, version)
+        """A :class:`LearnedOptimizer` with the meta-parameters of checkpoint ``version`` (default: the
+        newest intact one; damaged newer ones are skipped and logged)."""
+        store = self.checkpoints()
+        if version is None:
+            found = load_newest_intact(store, lambda v: load_meta_params_checkpoint(store, self.lopt.rule, v))
+            if found is None:
+                raise FileNotFoundError(f"no checkpoint in {self.checkpoint_path!r}")
+            meta_params, metadata = found[1]
+        else:
+            meta_params, metadata = load_meta_params_checkpoint(store, self.lopt.rule, version)
         info = {**self.lopt.info, "checkpoint": metadata["version"], "outer_step": metadata.get("outer_step")}
         return LearnedOptimizer(self.lopt.rule, meta_params, self.worker_config.num_steps, info)
 

@@ -27,6 +27,7 @@ from carlskit.lopt._checks import (
 )
 from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
+from carlskit._errors import CorruptFileError
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
 from carlskit.lopt._tasks import Task, TaskFamily
@@ -151,23 +152,23 @@ class LearnedOptimizer:
     def load(cls, path: str | os.PathLike) -> "LearnedOptimizer":
         """A ``LearnedOptimizer`` with the rule, meta-parameters and horizon stored at ``path`` (``.npz`` optional).
 
-        Raises ``FileNotFoundError`` for a missing file, ``ValueError`` naming the file for a corrupt one.
+        Raises ``FileNotFoundError`` for a missing file, :class:`carlskit.CorruptFileError` (a
+        ``ValueError``) naming the file for a damaged one, whatever the damage.
         """
         file = meta_params_file(path)
         meta_params, config = load_meta_params(file)
         unknown = sorted(set(config) - {"rule", "train_horizon", "info"})
         if "rule" not in config or unknown:
-            raise ValueError(f"{file}: config must hold 'rule', 'train_horizon', 'info'; "
-                             f"got keys {sorted(config)}")
+            raise CorruptFileError(file, f"config must hold 'rule', 'train_horizon', 'info'; got keys {sorted(config)}")
         train_horizon, info = config.get("train_horizon"), config.get("info", {})
         if train_horizon is not None and (type(train_horizon) is not int or train_horizon < 1):
-            raise ValueError(f"{file}: train_horizon must be a positive int or null, got {train_horizon!r}")
+            raise CorruptFileError(file, f"train_horizon must be a positive int or null, got {train_horizon!r}")
         if not isinstance(info, dict) or not isinstance(config["rule"], dict):
-            raise ValueError(f"{file}: 'rule' and 'info' must be JSON objects")
+            raise CorruptFileError(file, "'rule' and 'info' must be JSON objects")
         try:
             return LearnedOptimizer(rule_from_config(config["rule"]), meta_params, train_horizon, info)
         except (TypeError, ValueError, ArithmeticError) as err:  # unknown rule field, leaves not fitting the rule
-            raise ValueError(f"{file}: stored rule and meta-parameters do not fit ({err})") from err
+            raise CorruptFileError(file, f"stored rule and meta-parameters do not fit ({err})") from err
 
     @classmethod
     def pretrained(cls) -> "LearnedOptimizer":

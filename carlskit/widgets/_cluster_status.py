@@ -14,6 +14,8 @@ from carlskit.widgets._display import PeriodicThread, WidgetDisplay, html_table,
 StatusSource = Any  # an object with ``status() -> dict`` or a callable returning a dict
 
 WORKER_COLUMNS = ["worker", "name", "threads", "memory_used_mb", "memory_limit_mb", "executing", "in_memory"]
+#: Report entries holding ``{service: {"state": ..., ...}}`` (supervision state): one table row per service.
+SERVICE_KEYS = ("services", "health")
 
 
 def _source_name(source: StatusSource) -> str:
@@ -30,6 +32,10 @@ def _source_status(source: StatusSource) -> dict[str, Any]:
     return dict(report)
 
 
+def _gave_up(table: list[dict]) -> list[str]:
+    return [str(row.get("service")) for row in table if row.get("state") == "gave up"]
+
+
 class ClusterStatus(WidgetDisplay):
     """A status board: the Dask workers, the JAX devices of each process, and one section per
     *source*.
@@ -38,7 +44,9 @@ class ClusterStatus(WidgetDisplay):
     dict); knowledge banks report their tables and sizes, makers their throughput and lag, and
     future components plug in the same way. In a section, a value that is a list of dicts is shown
     as a table, anything else as a ``key: value`` row. A failing source shows its error instead of
-    breaking the board.
+    breaking the board. A ``"services"`` (or ``"health"``) entry mapping each service to its
+    supervision state (``{"learner": {"state": "restarting", ...}}``) is a table with one row per
+    service, and services that ``"gave up"`` are named in red above it.
 
     Args:
       client: a ``distributed.Client`` or ``None`` (this process only).
@@ -139,7 +147,10 @@ class ClusterStatus(WidgetDisplay):
         """Split a source's report into ``key: value`` rows and tables (lists of dicts)."""
         rows, tables = [], {}
         for key, value in report.items():
-            if isinstance(value, Sequence) and not isinstance(value, str) and value and all(
+            if key in SERVICE_KEYS and isinstance(value, Mapping) and value and all(
+                    isinstance(item, Mapping) for item in value.values()):
+                tables[key] = [{"service": name, **dict(item)} for name, item in value.items()]
+            elif isinstance(value, Sequence) and not isinstance(value, str) and value and all(
                     isinstance(item, Mapping) for item in value):
                 tables[key] = [dict(item) for item in value]
             else:
@@ -162,7 +173,10 @@ class ClusterStatus(WidgetDisplay):
             if rows:
                 parts.append(html_table(rows, ["key", "value"]))
             for key, table in tables.items():
-                parts.append(f"<p><i>{html.escape(str(key))}</i></p>" + html_table(table))
+                parts.append(f"<p><i>{html.escape(str(key))}</i></p>")
+                if key in SERVICE_KEYS and _gave_up(table):
+                    parts.append(f'<p style="color:#b00020"><b>gave up: {html.escape(", ".join(_gave_up(table)))}</b></p>')
+                parts.append(html_table(table))
         return "<div>" + "".join(parts) + "</div>"
 
     def __repr__(self) -> str:
@@ -178,6 +192,9 @@ class ClusterStatus(WidgetDisplay):
             lines.append(f"{name}:")
             lines += [f"  {row['key']}: {row['value']}" for row in rows]
             for key, table in tables.items():
-                lines += [f"  {key}:", text_table(table)]
+                lines.append(f"  {key}:")
+                if key in SERVICE_KEYS and _gave_up(table):
+                    lines.append(f"  GAVE UP: {', '.join(_gave_up(table))}")
+                lines.append(text_table(table))
         return "\n".join(lines)
 

@@ -9,7 +9,10 @@ import pytest
 
 import optax
 
+from carlskit._errors import CorruptFileError
+from carlskit._serialization import dumps_checked_json, loads_checked_json
 from carlskit.lopt import LearnableAdam, LearnedOptimizer, MLPUpdateRule
+from carlskit.lopt._io import _leaf_record
 
 
 def _small_optimizer(train_horizon=50, seed=3):
@@ -28,9 +31,9 @@ def test_save_load_roundtrip_one_file_without_pickle(tmp_path):
     assert written == tmp_path / "opt.npz"
     assert sorted(os.listdir(tmp_path)) == ["opt.npz"]  # one file, no temp files left behind
     entries = _entries(written)
-    description = json.loads(entries.pop("__carlskit__").tobytes())
-    assert len(entries) == len(jax.tree.leaves(optimizer.meta_params))
-    assert description["config"]["rule"]["kind"] == "mlp" and description["format_version"] == 2
+    description = loads_checked_json(entries.pop("__carlskit__").tobytes())
+    assert len(entries) == len(jax.tree.leaves(optimizer.meta_params)) == len(description["leaves"])
+    assert description["config"]["rule"]["kind"] == "mlp" and description["format_version"] == 3
     for spelling in (tmp_path / "opt", tmp_path / "opt.npz", str(written)):
         loaded = LearnedOptimizer.load(spelling)
         assert loaded.rule == optimizer.rule and loaded.train_horizon == 50
@@ -95,15 +98,28 @@ def test_failing_write_leaves_no_temporary_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["taken.npz"] and not os.listdir(tmp_path / "taken.npz")
 
 
-def _rewrite(file, edit_entries=None, edit_description=None, raw_description=None):
-    """Rewrite ``file`` with its entries and JSON description changed by the given functions."""
+def _rewrite(file, edit_entries=None, edit_description=None, raw_description=None, consistent=True):
+    """Rewrite ``file`` with its entries and JSON description changed by the given functions.
+
+    ``consistent``: as a buggy writer would, record the edited entries' checksums and checksum the
+    edited description (so the checks behind the checksums are reached); else keep the old ones."""
     entries = _entries(file)
-    description = json.loads(entries.pop("__carlskit__").tobytes())
-    if edit_description is not None:
-        description = edit_description(description)
-    text = raw_description if raw_description is not None else json.dumps(description).encode()
+    raw = entries.pop("__carlskit__").tobytes()
+    description = loads_checked_json(raw)
     if edit_entries is not None:
         entries = edit_entries(entries)
+        if consistent:
+            description["leaves"] = {name: _leaf_record(array) for name, array in entries.items()}
+    if edit_description is not None:
+        description = edit_description(description)
+    if raw_description is not None:
+        text = raw_description
+    elif consistent:
+        text = dumps_checked_json(description)
+    else:
+        document = json.loads(raw)
+        document["content"] = description
+        text = json.dumps(document).encode()
     if text is not False:
         entries["__carlskit__"] = np.frombuffer(text, np.uint8)
     np.savez(file, allow_pickle=False, **entries)
@@ -115,6 +131,17 @@ def _flip_a_weight_bit(file):
     at = data.find(weights) + len(weights) // 2
     data[at] ^= 0x10
     file.write_bytes(bytes(data))
+
+
+def _flip_a_description_byte(file):
+    """Flip one byte of the description's JSON inside the zip (then fix zip's CRC, as a careful
+    attacker or a buggy copier would): only the JSON's own SHA-256 can notice."""
+    entries = _entries(file)
+    text = bytearray(entries["__carlskit__"].tobytes())
+    at = text.index(b'"train_horizon": 50') + len(b'"train_horizon": ')
+    text[at] = ord("7")  # 50 -> 70
+    entries["__carlskit__"] = np.frombuffer(bytes(text), np.uint8)
+    np.savez(file, allow_pickle=False, **entries)
 
 
 def _npy_bytes(array):
@@ -140,11 +167,19 @@ CORRUPTIONS = {
     "no description": (lambda f: _rewrite(f, raw_description=False), "no '__carlskit__' entry"),
     "truncated JSON": (lambda f: _rewrite(f, raw_description=b'{"format_version": 2, "struct'), "bad JSON"),
     "NaN in JSON": (lambda f: _rewrite(f, raw_description=b'{"format_version": NaN}'), "NaN"),
-    "JSON list": (lambda f: _rewrite(f, raw_description=b"[1, 2]"), "is a list"),
+    "plain JSON description": (lambda f: _rewrite(f, raw_description=b'{"structure": {}, "config": {}}'),
+                               "not a checksummed"),
+    "edited config, old checksum": (lambda f: _rewrite(f, edit_description=_edit_config(
+        lambda c: c.update(train_horizon=51)), consistent=False), "does not match its SHA-256"),
+    "flipped byte in JSON": (lambda f: _flip_a_description_byte(f), "JSON description"),
+    "entry rewritten with a valid CRC": (lambda f: _rewrite(f, edit_entries=lambda e: {
+        **e, "leaf_1": e["leaf_1"] + 1.0}, consistent=False), "'leaf_1' differs from its recorded"),
+    "JSON list": (lambda f: _rewrite(f, raw_description=b"[1, 2]"), "not a checksummed"),
     "missing structure": (lambda f: _rewrite(f, edit_description=lambda d: {k: v for k, v in d.items()
                                                                            if k != "structure"}), "structure"),
-    "old format_version": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "format_version": 1}),
-                           "format_version 1"),
+    "old format_version": (lambda f: _rewrite(f, raw_description=b'{"format_version": 1}'), "format_version 1"),
+    "newer format_version": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "format_version": 4}),
+                             "format_version 4"),
     "bad structure node": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"dict": 5}}),
                            "bad structure node"),
     "leaf listed twice": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"list": [
@@ -170,9 +205,24 @@ def test_corrupt_file_raises_value_error_naming_it(tmp_path, case):
     file = _small_optimizer().save(None, tmp_path / "opt")
     corrupt, problem = CORRUPTIONS[case]
     corrupt(file)
-    with pytest.raises(ValueError) as raised:
+    with pytest.raises(CorruptFileError) as raised:
         LearnedOptimizer.load(tmp_path / "opt")
     assert str(raised.value).startswith(f"{file}: ") and problem in str(raised.value), str(raised.value)
+    assert raised.value.path == str(file)
+
+
+def test_format_2_files_without_checksums_still_load_with_a_warning(tmp_path):
+    optimizer = _small_optimizer()
+    file = optimizer.save(None, tmp_path / "old")
+    entries = _entries(file)
+    document = loads_checked_json(entries.pop("__carlskit__").tobytes())
+    legacy = {"format_version": 2, "structure": document["structure"], "config": document["config"]}
+    entries["__carlskit__"] = np.frombuffer(json.dumps(legacy).encode(), np.uint8)
+    np.savez(file, allow_pickle=False, **entries)
+    with pytest.warns(UserWarning, match="format_version 2 has no checksums"):
+        loaded = LearnedOptimizer.load(file)
+    for a, b in zip(jax.tree.leaves(loaded.meta_params), jax.tree.leaves(optimizer.meta_params)):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_pretrained_ships_and_works_with_no_meta_training():

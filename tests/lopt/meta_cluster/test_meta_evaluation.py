@@ -1,6 +1,9 @@
 """Evaluation curves and the evaluation chief (in-process)."""
 
 import dataclasses
+import json
+import pathlib
+import time
 
 import jax
 import numpy as np
@@ -9,6 +12,9 @@ import pytest
 
 from carlskit.lopt import (EvalTaskSet, EvaluationChief, LearnableAdamRule, MLPUpdateRule, QuadraticTask, Task,
                            evaluation_curves, train_tasks_vectorized)
+from carlskit._errors import CorruptFileError, ServiceGaveUpError, WorkerLostError
+from carlskit._serialization import dumps_checked_json
+from carlskit.cluster._supervised import RestartPolicy
 from carlskit.training import CheckpointStore
 
 RULE = LearnableAdamRule()
@@ -122,10 +128,82 @@ def test_chief_and_task_sets_validate_numbers_and_names(tmp_path):
     assert EvalTaskSet("heldout", [TASK], num_steps=np.int64(3)).num_steps == 3
 
 
-def test_corrupt_chief_state_is_a_value_error_naming_the_file(tmp_path):
+def test_corrupt_chief_state_is_a_corrupt_file_error_naming_the_file(tmp_path):
     (tmp_path / "eval").mkdir()
     state = tmp_path / "eval" / "chief_state.json"
-    for text in ('{"evaluated": [1, 2', "[1, 2]", '{"evaluated": ["x"]}', '{"failed": {"a": "b"}}'):
-        state.write_text(text)
-        with pytest.raises(ValueError, match="chief_state.json: corrupt"):
+    good = dumps_checked_json({"evaluated": [1, 2], "missing": [], "failed": {}})
+    flipped = good.replace(b"1,", b"4,", 1)  # one changed value under an unchanged checksum
+    for data in (b'{"evaluated": [1, 2', b"[1, 2]", b'{"evaluated": [1, 2]}', flipped,
+                 dumps_checked_json({"evaluated": ["x"]}), dumps_checked_json({"failed": {"a": "b"}})):
+        state.write_bytes(data)
+        with pytest.raises(CorruptFileError, match="chief_state.json: corrupt") as raised:
             EvaluationChief(RULE, str(tmp_path / "ckpt"), tmp_path / "eval", TASK_SETS)
+        assert raised.value.path == str(state)
+
+
+def test_damaged_result_file_is_set_aside_and_its_checkpoint_evaluated_again_once(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    publish(store, 0, 1.0)
+    publish(store, 1, 2.0)
+    chief = EvaluationChief(RULE, store.path, tmp_path / "eval", TASK_SETS[:1])
+    chief.wait(1, timeout=120)
+    chief.wait(0, timeout=120)
+    chief.close()
+    result = chief.result_path(1)
+    result.write_bytes(result.read_bytes().replace(b"[", b"[1e3, ", 1))  # a changed curve value
+    restarted = EvaluationChief(RULE, store.path, tmp_path / "eval", TASK_SETS[:1])
+    assert restarted.evaluated == [0] and "SHA-256" in restarted.corrupt_results[1]
+    restarted.wait(1, timeout=120)
+    assert restarted.jobs_run == 1 and sorted(restarted.results()) == [0, 1] and restarted.corrupt_results == {}
+    assert json.loads(result.read_bytes())["content"]["version"] == 1
+    restarted.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class LostWorkerTask(QuadraticTask):
+    """Its first ``losses`` evaluations end as if their worker died (``WorkerLostError``): the chief's
+    thread pool stands in for the workers that a cluster test kills."""
+
+    counter: str = ""
+    losses: int = 2
+
+    def init(self, key, task_params):
+        path = pathlib.Path(self.counter)
+        count = int(path.read_text()) if path.exists() else 0
+        if count < self.losses:
+            path.write_text(str(count + 1))
+            raise WorkerLostError(f"evaluation worker lost ({count + 1})")
+        return super().init(key, task_params)
+
+
+def test_jobs_lost_with_their_worker_cost_no_attempt_and_are_retried_with_backoff(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    publish(store, 0, 1.0)
+    task = LostWorkerTask(4, 10.0, 0.1, counter=str(tmp_path / "count"), losses=MAX_LOSSES)
+    policy = RestartPolicy(budget_seconds=60, initial_delay_seconds=0.01, max_delay_seconds=0.05)
+    chief = EvaluationChief(RULE, store.path, tmp_path / "eval", [EvalTaskSet("lossy", (task,), 1, num_steps=2)],
+                            restart_policy=policy)
+    chief.wait(0, timeout=60, poll_seconds=0.01)  # more losses than MAX_ATTEMPTS, yet evaluated
+    assert chief.worker_losses == MAX_LOSSES and chief.failed == {} and chief.evaluated == [0]
+    assert chief.supervision()["state"] == "running" and chief.supervision()["failures"] == 0
+    chief.close()
+
+
+MAX_LOSSES = 4
+
+
+def test_chief_gives_up_when_workers_keep_being_lost_past_its_budget(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    publish(store, 0, 1.0)
+    task = LostWorkerTask(4, 10.0, 0.1, counter=str(tmp_path / "count"), losses=10**6)
+    policy = RestartPolicy(budget_seconds=0.3, initial_delay_seconds=0.01, max_delay_seconds=0.02)
+    chief = EvaluationChief(RULE, store.path, tmp_path / "eval", [EvalTaskSet("lossy", (task,), 1, num_steps=2)],
+                            restart_policy=policy)
+    deadline = time.monotonic() + 60
+    while chief.gave_up is None and time.monotonic() < deadline:
+        chief.poll()
+    with pytest.raises(ServiceGaveUpError, match="kept being lost"):
+        chief.check()
+    assert chief.supervision()["state"] == "gave up" and chief.failed == {}, "the checkpoint itself is not blamed"
+    assert chief.poll() == [] and chief.status()["gave_up"]
+    chief.close()

@@ -197,3 +197,61 @@ def test_learner_validates_arguments(tmp_path):
             make_learner(tmp_path, initial_meta_params=bad)
         assert f"initial_meta_params{first}" in str(raised.value)
     assert not (tmp_path / "ckpt").exists(), "no checkpoint directory is created for rejected arguments"
+
+
+def test_a_new_learner_falls_back_to_the_newest_intact_checkpoint_and_never_starts_over(tmp_path):
+    store = GradientStore()
+    learner = make_learner(tmp_path, store, checkpoint_every_seconds=1e-6)
+    for value in (1.0, -2.0, 0.5):
+        store.put_many([record(learner.current()[0], grad_like(learner, value))])
+        learner.update()
+    at_two = leaves(make_learner(tmp_path, store))  # resumes at checkpoint 3: same as checkpoint 2 + one step
+    ckpt = tmp_path / "ckpt"
+    newest = ckpt / f"v{3:012d}.npz"
+    newest.write_bytes(newest.read_bytes()[:60])  # the newest checkpoint is damaged
+    resumed = make_learner(tmp_path, store)
+    assert resumed.resumed_from == 2 and list(resumed.skipped_checkpoints) == [3]
+    assert resumed.status()["skipped_checkpoints"][3] and resumed.current()[0] == 2
+    assert any(not np.array_equal(a, b) for a, b in zip(leaves(resumed), at_two)), "the older meta-parameters"
+    for version in (0, 1, 2):
+        data = (ckpt / f"v{version:012d}.npz").read_bytes()
+        (ckpt / f"v{version:012d}.npz").write_bytes(data[:60])
+    with pytest.raises(ValueError, match="corrupt"):  # none intact: refuses instead of restarting at 0
+        make_learner(tmp_path, store)
+
+
+def test_a_resumed_learner_writes_each_summary_step_once_and_the_first_write_stands(tmp_path):
+    from carlskit.summaries import SummaryReader
+
+    store, logdir = GradientStore(), str(tmp_path / "summaries")
+    first = make_learner(tmp_path, store, checkpoint_every_seconds=3600, logdir=logdir)
+    for value in (1.0, -2.0, 0.5, 0.25, 4.0):  # steps 1..5 logged, only checkpoint 0 written
+        store.put_many([record(first.current()[0], grad_like(first, value), loss=value)])
+        first.update()
+    first._writer.close()  # its writer flushed; then the learner is lost (no close(): no checkpoint)
+    resumed = make_learner(tmp_path, store, logdir=logdir, checkpoint_every_seconds=3600)
+    assert resumed.resumed_from == 0 and resumed.summary_floor == 5
+    for value in (3.0, 3.0, 3.0, 3.0, 3.0, 3.0, 3.0):  # steps 1..7 again, with other values
+        store.put_many([record(resumed.current()[0], grad_like(resumed, value), loss=value)])
+        resumed.update()
+    resumed.close()
+    frame = SummaryReader(logdir).scalars("learner/outer_loss")
+    assert list(frame["step"]) == [1, 2, 3, 4, 5, 6, 7], "every step once"
+    assert list(frame["value"]) == [1.0, -2.0, 0.5, 0.25, 4.0, 3.0, 3.0], "the first write of a step stands"
+    assert resumed.status()["summaries_skipped"] == 5
+
+
+def test_learned_optimizer_of_a_run_skips_a_damaged_newest_checkpoint(tmp_path):
+    from carlskit.lopt import LearnableAdam, MetaTraining, QuadraticTask
+
+    store = GradientStore()
+    learner = Learner(RULE, store, str(tmp_path / "checkpoints"), checkpoint_every_seconds=1e-6)
+    for value in (1.0, -2.0):
+        store.put_many([record(learner.current()[0], grad_like(learner, value))])
+        learner.update()
+    newest = tmp_path / "checkpoints" / f"v{2:012d}.npz"
+    newest.write_bytes(newest.read_bytes()[:80])
+    training = MetaTraining(LearnableAdam(), QuadraticTask(4, 10.0, 0.1), None, directory=tmp_path)
+    assert training.learned_optimizer().info["checkpoint"] == 1
+    with pytest.raises(ValueError, match="corrupt"):
+        training.learned_optimizer(2)  # asked for by version: no silent substitute
