@@ -74,7 +74,8 @@ class ShardLostError(WorkerLostError):
     A batch call that reaches several shards waits for all of them before raising, and says what
     happened: ``shard`` (the first lost one), ``lost_shards``, ``applied_shards`` (the shards that
     acknowledged the call: their part was applied), and for ``lookup``, ``update`` and
-    ``apply_gradients`` ``applied_keys`` / ``unapplied_keys`` (int64 arrays; None for other calls).
+    ``apply_gradients`` (and ``row_metadata``) ``applied_keys`` / ``unapplied_keys`` (int64 arrays;
+    None for other calls).
     A lost shard's part was not acknowledged: after ``recover()`` it is there only if the shard's
     write-ahead log recorded it before the worker died, so re-send ``unapplied_keys`` (an
     ``update`` is idempotent; a gradient may then count twice).
@@ -776,8 +777,9 @@ class KnowledgeBank:
         self._config(table)
         keys = _as_keys(keys)
         routes = self._route(keys) or [(0, None)]  # no keys: ask one shard for empty columns
-        results = self._call("row_metadata", {s: (table, keys if pos is None else keys[pos])
-                                              for s, pos in routes})
+        sent = {s: keys if pos is None else keys[pos] for s, pos in routes}
+        results = self._collect(self._submit("row_metadata", {s: (table, sent[s]) for s in sent}),
+                                sent)
         if routes[0][1] is None:
             return _owned(results[0])
         out = {name: np.empty(len(keys), dtype=array.dtype)
