@@ -816,12 +816,16 @@ class KnowledgeBank:
 
     def status(self) -> dict[str, Any]:
         """A dashboard summary (the source protocol of :class:`carlskit.widgets.ClusterStatus`):
-        shards, transport and one row per table (rows, pending gradients, version range)."""
+        shards, transport, one row per table (rows, pending gradients, version range) and the
+        automatic snapshots' state (None when off; "restarting" with a reason while a snapshot
+        fails, e.g. while a shard is lost)."""
         stats = self.stats()
         tables = [{"table": name, "rows": t["rows"], "rows_per_shard": t["rows_per_shard"],
                    "pending_gradients": t["pending_gradients"], "min_version": t["min_version"],
                    "max_version": t["max_version"]} for name, t in stats["tables"].items()]
-        return {"shards": self.num_shards, "transport": self.transport, "tables": tables}
+        snapshots = None if self._snapshotter is None else self._snapshotter.status()
+        return {"shards": self.num_shards, "transport": self.transport, "tables": tables,
+                "snapshots": snapshots}
 
     # ------------------------------------------------------------------ snapshots
     def _init_snapshots(self) -> None:

@@ -427,6 +427,12 @@ BAD_CALLS = [
     ("nearest", ("emb", np.ones((2, DIM))), {"exclude": [1, 2, 3]}, ValueError, "exclude"),
     ("sample", ("emb",), {"n": -1}, ValueError, "n"),
     ("row_metadata", ("emb", [-1]), {}, ValueError, "-1"),
+    ("update", ("emb", [1], np.ones((1, DIM))), {"version": -1}, ValueError, "version must be >= 0"),
+    ("create_table", ("new",), {"dim": 4, "capacity": 2**62}, ValueError, "capacity must be <="),
+    ("create_table", ("new",), {"dim": 2**40}, ValueError, "dim must be <="),
+    ("create_feature_table", ("new", {"a": ("int8", 2**40)}), {}, ValueError, "width must be <="),
+    ("nearest", ("emb", np.ones((2, DIM))), {"k": 2**40}, ValueError, "k must be <="),
+    ("sample", ("emb",), {"n": 2**40}, ValueError, "n must be <="),
 ]
 
 
