@@ -30,6 +30,7 @@ import math
 import os
 import threading
 import time
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -83,11 +84,18 @@ class ShardLostError(WorkerLostError):
 
     def __init__(self, message: str, shard: int | None = None) -> None:
         super().__init__(message)
+        self._bank: Any = None  # weakref to the bank that raised it
         self.shard = shard
         self.lost_shards: list[int] = [] if shard is None else [shard]
         self.applied_shards: list[int] = []
         self.applied_keys: np.ndarray | None = None
         self.unapplied_keys: np.ndarray | None = None
+
+    @property
+    def bank(self) -> "KnowledgeBank | None":
+        """The bank that raised this error (None once it is gone): its :meth:`~KnowledgeBank.recover`
+        rebuilds the shard (what ``Trainer.fit`` does)."""
+        return None if self._bank is None else self._bank()
 
 
 class _Failed:
@@ -424,6 +432,7 @@ class KnowledgeBank:
             f"the latest snapshot (see enable_snapshots), or KnowledgeBank.load(<snapshot>, "
             f"client) restores the whole bank", shard=index)
         lost.__cause__ = error
+        lost._bank = weakref.ref(self)
         return lost
 
     def _actor_gone(self, index: int) -> bool:
@@ -999,6 +1008,12 @@ class KnowledgeBank:
         if self._snapshotter is not None:
             self._snapshotter.stop(self._snapshotter_stop, timeout=60)
             self._snapshotter = None
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether :meth:`recover` can rebuild a lost shard by itself: a distributed bank that
+        created its shards and keeps snapshots (:meth:`enable_snapshots`)."""
+        return self._remote and bool(self._shard_futures) and self._series is not None
 
     def lost_shards(self) -> list[int]:
         """Shards whose actor or worker is gone (each checked by its actor's state, then a ping)."""

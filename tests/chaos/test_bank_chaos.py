@@ -204,3 +204,71 @@ def test_damaged_snapshot_bytes_are_refused_naming_the_file(client, tmp_path, ta
     if target == "manifest":  # readers of the series fall back to the newest intact snapshot
         assert bank.latest_snapshot() == first
     bank.close()
+
+
+class Linear:
+    """A 4 -> 1 linear model (built lazily: flax is imported only by this test)."""
+
+    def __new__(cls):
+        from flax import nnx
+
+        class Model(nnx.Module):
+            def __init__(self):
+                self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+
+            def __call__(self, x):
+                return self.linear(x)[:, 0]
+
+        return Model()
+
+
+def mse(model, batch):
+    error = model(batch["x"]) - batch["y"]
+    return (error**2).mean(), {}
+
+
+@pytest.mark.parametrize("snapshots", [True, False], ids=["recovers", "stops-resumable"])
+def test_fit_survives_a_lost_bank_shard(client, tmp_path, record_property, snapshots):
+    """Trainer.fit with a bank knowledge stage while a shard's worker is SIGKILLed: with snapshots
+    the shard is rebuilt and every step runs; without, fit stops naming the shard and the last
+    finished step is a published checkpoint."""
+    import optax
+
+    from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer
+
+    bank = two_shard_bank(client)
+    bank.create_table("emb", dim=2)
+    bank.create_feature_table("nbrs", {"ids": ("int64", 2), "weights": ("float32", 2)})
+    items = np.arange(1, 201, dtype=np.int64)
+    bank.update("nbrs", items, {"ids": np.stack([items % 200 + 1, (items + 1) % 200 + 1], 1),
+                                "weights": np.ones((200, 2))}, version=0)
+    bank.update("emb", items, np.ones((200, 2)), version=0)
+    if snapshots:
+        bank.enable_snapshots(tmp_path / "bank", write_ahead_log=True)
+    store = CheckpointStore(tmp_path / "ckpt")
+    trainer = Trainer(Linear(), optax.sgd(0.01), mse, checkpoints=store, checkpoint_every=10,
+                      knowledge=NeighborKnowledge(bank, max_neighbors=2), prefetch=1)
+    killed = threading.Event()
+
+    def data(step):
+        if step == 15 and not killed.is_set():
+            kill_worker_of(client, bank, 1)
+            killed.set()
+            time.sleep(1.0)  # the bank's next call meets the dead worker
+        rng = np.random.default_rng(step)
+        x = rng.normal(size=(16, 4)).astype(np.float32)
+        return {"x": x, "y": x.sum(1), "ids": rng.choice(items, 16)}
+
+    steps = 40
+    if snapshots:
+        history = trainer.fit(data, steps, progress=False, live=False)
+        assert len(history) == steps and trainer.step == steps
+        assert [r["shards"] for r in trainer.bank_recoveries] == [[1]]
+        record_property("fit_recovery_seconds", trainer.bank_recoveries[0]["seconds"])
+        print(f"\nfit recovered shard 1 in {trainer.bank_recoveries[0]['seconds']:.2f} s")
+    else:
+        with pytest.raises(ShardLostError, match="lost bank shard 1 .* no snapshots") as caught:
+            trainer.fit(data, steps, progress=False, live=False)
+        assert caught.value.shard == 1
+        assert 10 <= trainer.step < steps and store.latest() == trainer.step  # resumable here
+    bank.close()
