@@ -22,8 +22,10 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -212,7 +214,19 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
             "dist_lookup_with_flush_rows_per_s": (lambda b: kb.lookup_async("emb", b), 1),
             "dist_apply_gradients_pipelined_rows_per_s": (
                 lambda b: kb.apply_gradients_async("emb", b, gradients), IN_FLIGHT),
+            # the same calls with the shards' write-ahead log on (see wal_on / wal_off below)
+            "dist_apply_gradients_wal_rows_per_s": (
+                lambda b: kb.apply_gradients_async("emb", b, gradients), 1),
         }
+        wal_directory = tempfile.mkdtemp(prefix="carlskit-kb-bench-wal-")
+        kb.enable_snapshots(wal_directory, write_ahead_log=True, keep=1)
+        kb._call_all("stop_write_ahead_log")
+
+        def wal_on():  # a snapshot starts a new log segment (the only way the log may start)
+            kb.snapshot()
+
+        def wal_off():
+            kb._call_all("stop_write_ahead_log")
         for submit, in_flight in variants.values():  # warm-up
             seconds_for(submit, batches[:in_flight], in_flight)
         # The variants take turns on short slices of the batches, so that every variant sees the
@@ -222,7 +236,11 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         for first in range(0, len(batches), CYCLE_BATCHES):
             part = batches[first:first + CYCLE_BATCHES]
             for name, (submit, in_flight) in variants.items():
+                if name == "dist_apply_gradients_wal_rows_per_s":
+                    wal_on()
                 measured[name].append(len(part) * BATCH / seconds_for(submit, part, in_flight))
+                if name == "dist_apply_gradients_wal_rows_per_s":
+                    wal_off()
             kb.flush("emb")
             loads.append(os.getloadavg()[0])
         print(", ".join(f"{name[5:-11]} {statistics.median(values) / 1e6:.2f}M"
@@ -230,6 +248,8 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         for name, values in measured.items():
             results[name] = statistics.median(values)
         results["dist_cycles"] = len(loads)
+        results["dist_apply_gradients_wal_over_no_wal"] = (
+            results["dist_apply_gradients_wal_rows_per_s"] / results["dist_apply_gradients_rows_per_s"])
         results["dist_lookup_vs_floor"] = (results["dist_lookup_rows_per_s"]
                                            / results["dist_floor_rows_per_s"])
         results["dist_in_flight"] = IN_FLIGHT
@@ -248,6 +268,7 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         stats = kb.stats()["tables"]["emb"]
         results["dist_pending_after_bench"] = stats["pending_gradients"]
         kb.close()
+        shutil.rmtree(wal_directory, ignore_errors=True)
     print(f"distributed: lookup {results['dist_lookup_rows_per_s']:.3g} rows/s "
           f"({results['dist_lookup_pipelined_rows_per_s']:.3g} with {IN_FLIGHT} in flight; floor "
           f"{results['dist_floor_rows_per_s']:.3g}), apply_gradients "
