@@ -1103,6 +1103,10 @@ class KnowledgeBank:
                 report[shard] = {"worker": worker, "snapshot": location.url, "rows": rows,
                                  "replayed_calls": replayed,
                                  "seconds": time.perf_counter() - start}
+            if self._wal_directory is not None and wal_directory is None:
+                # the rebuilt shard does not continue the log it was not replayed from: a fresh
+                # snapshot is the base every shard's log starts from again
+                self.snapshot()
             if self._published is not None:
                 self.publish(self._published)
         return report
