@@ -235,7 +235,12 @@ class _Shard:
         with self._lock:
             count = 0
             for method, now, args in records_since(wal_directory, self.shard_index, first_segment):
-                self._apply(method, now, *args)
+                try:
+                    self._apply(method, now, *args)
+                except (ValueError, TypeError, KeyError, IndexError):
+                    # the live call raised the same error to its caller (it was logged before it
+                    # was applied): it failed then, it fails now, and the rest still applies
+                    continue
                 count += 1
             self._start_wal(wal_directory, WriteAheadLog.next_segment(wal_directory,
                                                                       self.shard_index))
