@@ -22,8 +22,10 @@ import argparse
 import collections
 import json
 import os
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -212,7 +214,19 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
             "dist_lookup_with_flush_rows_per_s": (lambda b: kb.lookup_async("emb", b), 1),
             "dist_apply_gradients_pipelined_rows_per_s": (
                 lambda b: kb.apply_gradients_async("emb", b, gradients), IN_FLIGHT),
+            # the same calls with the shards' write-ahead log on (see wal_on / wal_off below)
+            "dist_apply_gradients_wal_rows_per_s": (
+                lambda b: kb.apply_gradients_async("emb", b, gradients), 1),
         }
+        wal_directory = tempfile.mkdtemp(prefix="carlskit-kb-bench-wal-")
+        kb.enable_snapshots(wal_directory, write_ahead_log=True, keep=1)
+        kb._call_all("stop_write_ahead_log")
+
+        def wal_on():  # a snapshot starts a new log segment (the only way the log may start)
+            kb.snapshot()
+
+        def wal_off():
+            kb._call_all("stop_write_ahead_log")
         for submit, in_flight in variants.values():  # warm-up
             seconds_for(submit, batches[:in_flight], in_flight)
         # The variants take turns on short slices of the batches, so that every variant sees the
@@ -222,7 +236,11 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         for first in range(0, len(batches), CYCLE_BATCHES):
             part = batches[first:first + CYCLE_BATCHES]
             for name, (submit, in_flight) in variants.items():
+                if name == "dist_apply_gradients_wal_rows_per_s":
+                    wal_on()
                 measured[name].append(len(part) * BATCH / seconds_for(submit, part, in_flight))
+                if name == "dist_apply_gradients_wal_rows_per_s":
+                    wal_off()
             kb.flush("emb")
             loads.append(os.getloadavg()[0])
         print(", ".join(f"{name[5:-11]} {statistics.median(values) / 1e6:.2f}M"
@@ -230,6 +248,8 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         for name, values in measured.items():
             results[name] = statistics.median(values)
         results["dist_cycles"] = len(loads)
+        results["dist_apply_gradients_wal_over_no_wal"] = (
+            results["dist_apply_gradients_wal_rows_per_s"] / results["dist_apply_gradients_rows_per_s"])
         results["dist_lookup_vs_floor"] = (results["dist_lookup_rows_per_s"]
                                            / results["dist_floor_rows_per_s"])
         results["dist_in_flight"] = IN_FLIGHT
@@ -248,6 +268,7 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         stats = kb.stats()["tables"]["emb"]
         results["dist_pending_after_bench"] = stats["pending_gradients"]
         kb.close()
+        shutil.rmtree(wal_directory, ignore_errors=True)
     print(f"distributed: lookup {results['dist_lookup_rows_per_s']:.3g} rows/s "
           f"({results['dist_lookup_pipelined_rows_per_s']:.3g} with {IN_FLIGHT} in flight; floor "
           f"{results['dist_floor_rows_per_s']:.3g}), apply_gradients "
@@ -255,13 +276,169 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
     return results
 
 
+def snapshot_bytes(kb: KnowledgeBank) -> list[np.ndarray]:
+    """The arrays a snapshot of in-process ``kb`` writes (every table, every shard), as views."""
+    arrays = []
+    for shard in kb._shards:
+        for table in shard._tables.values():
+            arrays += [array for _, array in table.snapshot_columns()[0]]
+    return arrays
+
+
+def np_save_all(arrays: list[np.ndarray], directory: str) -> None:
+    """The baseline: ``np.save`` of the same arrays, one file each, fsync'd like a snapshot part."""
+    os.makedirs(directory)
+    for number, array in enumerate(arrays):
+        with open(os.path.join(directory, f"{number}.npy"), "wb") as handle:
+            np.save(handle, array)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+def np_load_all(directory: str, count: int) -> list[np.ndarray]:
+    return [np.load(os.path.join(directory, f"{number}.npy")) for number in range(count)]
+
+
+class PeakResident:
+    """Peak VmRSS of this process while a block runs (sampled every 5 ms in a thread)."""
+
+    def __enter__(self):
+        import threading
+
+        self.before = resident_bytes()
+        self.peak = self.before
+        self._stop = threading.Event()
+
+        def sample():
+            while not self._stop.is_set():
+                with open("/proc/self/status") as handle:
+                    for line in handle:
+                        if line.startswith("VmRSS:"):
+                            self.peak = max(self.peak, int(line.split()[1]) * 1024)
+                self._stop.wait(0.005)
+
+        self._thread = threading.Thread(target=sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.before
+
+
+def fill(kb: KnowledgeBank, num_rows: int) -> np.ndarray:
+    kb.create_table("emb", dim=DIM, initializer="zeros", capacity=num_rows)
+    all_keys = []
+    for keys, values in make_chunks(num_rows, chunk=50_000):
+        kb.update("emb", keys, values, version=0)
+        all_keys.append(keys)
+    return np.concatenate(all_keys)
+
+
+def snapshot_in_process(num_rows: int, repeats: int, directory: str) -> dict:
+    """``snapshot_save_vs_npsave`` / ``snapshot_load_vs_npload``: KnowledgeBank.save / load of a
+    one-shard bank against np.save (+ fsync) / np.load of the very arrays the snapshot holds."""
+    import shutil
+
+    kb = KnowledgeBank()
+    fill(kb, num_rows)
+    arrays = snapshot_bytes(kb)
+    total = sum(array.nbytes for array in arrays)
+    counter = iter(range(10**6))
+    paths: dict = {}
+
+    def save_bank():
+        path = paths["bank"] = os.path.join(directory, f"bank-{next(counter)}")
+        kb.save(path)
+
+    def save_numpy():
+        path = paths["numpy"] = os.path.join(directory, f"numpy-{next(counter)}")
+        np_save_all(arrays, path)
+
+    saves_numpy, saves_bank = [], []
+    loads_numpy, loads_bank = [], []
+    for _ in range(repeats):  # alternate, so both see the same load from other processes
+        for runs, function in ((saves_numpy, save_numpy), (saves_bank, save_bank)):
+            start = time.perf_counter()
+            function()
+            runs.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        loaded = np_load_all(paths["numpy"], len(arrays))
+        loads_numpy.append(time.perf_counter() - start)
+        del loaded
+        start = time.perf_counter()
+        restored = KnowledgeBank.load(paths["bank"])
+        loads_bank.append(time.perf_counter() - start)
+        assert restored.stats()["tables"]["emb"]["rows"] == num_rows
+        restored.close()
+        del restored
+        for path in paths.values():
+            shutil.rmtree(path)
+    t_save_np, t_save = statistics.median(saves_numpy), statistics.median(saves_bank)
+    t_load_np, t_load = statistics.median(loads_numpy), statistics.median(loads_bank)
+    print(f"snapshot {total / 1e6:.0f} MB: save {t_save:.2f} s (np.save {t_save_np:.2f} s), "
+          f"load {t_load:.2f} s (np.load {t_load_np:.2f} s)", flush=True)
+    return {"snapshot_rows": num_rows, "snapshot_mb": total / 1e6,
+            "snapshot_save_s": t_save, "snapshot_npsave_s": t_save_np,
+            "snapshot_load_s": t_load, "snapshot_npload_s": t_load_np,
+            "snapshot_save_vs_npsave": t_save_np / t_save,
+            "snapshot_load_vs_npload": t_load_np / t_load}
+
+
+def snapshot_distributed(num_rows: int, directory: str) -> dict:
+    """2 shards on 2 workers: save / load MB/s and the client's memory growth over the values'
+    bytes (``dist_snapshot_client_growth_ratio``: the larger of save and load)."""
+    from distributed import Client, LocalCluster
+
+    results: dict = {}
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        kb = KnowledgeBank(client, num_shards=2)
+        fill(kb, num_rows)
+        values_bytes = num_rows * DIM * 4
+        path = os.path.join(directory, "dist")
+        with PeakResident() as save_memory:
+            start = time.perf_counter()
+            kb.save(path)
+            save_seconds = time.perf_counter() - start
+        kb.close()
+        size = sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+        with PeakResident() as load_memory:
+            start = time.perf_counter()
+            restored = KnowledgeBank.load(path, client)
+            load_seconds = time.perf_counter() - start
+        assert restored.stats()["tables"]["emb"]["rows"] == num_rows
+        restored.close()
+    results.update(
+        dist_snapshot_rows=num_rows, dist_snapshot_mb=size / 1e6,
+        dist_snapshot_save_mb_per_s=size / 1e6 / save_seconds,
+        dist_snapshot_load_mb_per_s=size / 1e6 / load_seconds,
+        dist_snapshot_save_client_growth_mb=save_memory.growth / 1e6,
+        dist_snapshot_load_client_growth_mb=load_memory.growth / 1e6,
+        dist_snapshot_client_growth_ratio=max(save_memory.growth, load_memory.growth) / values_bytes)
+    print(f"distributed snapshot {size / 1e6:.0f} MB: save {results['dist_snapshot_save_mb_per_s']:.0f}"
+          f" MB/s, load {results['dist_snapshot_load_mb_per_s']:.0f} MB/s, client growth "
+          f"{save_memory.growth / 1e6:.0f} / {load_memory.growth / 1e6:.0f} MB", flush=True)
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true", help="100k rows, fewer repeats")
-    parser.add_argument("--part", choices=["all", "inprocess", "distributed"], default="all")
+    parser.add_argument("--part", choices=["all", "inprocess", "distributed", "snapshot"],
+                        default="all")
+    parser.add_argument("--snapshot-rows", type=int, default=None,
+                        help="rows of the snapshot benchmarks (default 4,000,000; 200,000 --small)")
+    parser.add_argument("--snapshot-dir", default=None,
+                        help="where snapshots are written (default: a temporary directory)")
     args = parser.parse_args()
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     num_rows = 100_000 if small else 1_000_000
+    snapshot_rows = args.snapshot_rows or (200_000 if small else 4_000_000)
     repeats = 50 if small else 200
     results = {"rows": num_rows, "dim": DIM, "batch": BATCH, "cpu_count": os.cpu_count()}
     targets = {}
@@ -278,6 +455,17 @@ def main() -> None:
                 results["dist_lookup_pipelined_rows_per_s"] >= 1e6,
             "dist_apply_gradients_rows_per_s>=5e5":
                 results["dist_apply_gradients_rows_per_s"] >= 5e5})
+    if args.part in ("all", "snapshot"):
+        import tempfile
+
+        with tempfile.TemporaryDirectory(dir=args.snapshot_dir) as directory:
+            results.update(snapshot_in_process(snapshot_rows, 3, directory))
+            results.update(snapshot_distributed(snapshot_rows, directory))
+        targets.update({
+            "snapshot_save_vs_npsave>=0.5": results["snapshot_save_vs_npsave"] >= 0.5,
+            "snapshot_load_vs_npload>=0.5": results["snapshot_load_vs_npload"] >= 0.5,
+            "dist_snapshot_client_growth_ratio<=0.1":
+                results["dist_snapshot_client_growth_ratio"] <= 0.1})
     results["targets_met"] = targets
     results["load_average_1min"] = os.getloadavg()[0]
     print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in results.items()}))

@@ -26,36 +26,87 @@ from __future__ import annotations
 import copy
 import functools
 import gc
-import json
 import math
 import os
-import shutil
 import threading
 import time
-import uuid
-from pathlib import Path
+import weakref
 from typing import Any, Callable, Sequence
 
 import numpy as np
+
+from carlskit._errors import WorkerLostError
+from carlskit.cluster._loss import actor_lost, is_worker_loss
 
 from ._direct import DirectCall, DirectPath, DirectPathLost, DirectRequestLost
 from ._hashing import key_from_string, shard_of
 from ._nearest import METRICS, top_k
 from ._shard import _Shard
+from ._snapshot import (SNAPSHOT_FORMAT, SNAPSHOT_VERSION, Location, SnapshotSeries,
+                        check_save_target, new_save_id, read_manifest, run_parallel,
+                        write_manifest)
+from ._wal import truncate_before
 
 INITIALIZERS = ("zeros", "normal", "uniform")
 OPTIMIZERS = ("sgd", "adagrad")
 INDEXES = ("flat", "hnsw")
-SNAPSHOT_FORMAT = "carlskit.KnowledgeBank"
-SNAPSHOT_VERSION = 1
+#: Sane upper bounds of size arguments (a clear ValueError instead of a MemoryError): rows are
+#: int32 inside a shard; a table's row width (``dim``, a feature field's width) is at most 65536;
+#: ``capacity`` is a preallocation hint of which at most PREALLOCATED_ROWS rows per shard are
+#: allocated up front (tables grow geometrically beyond); ``nearest`` returns at most
+#: MAX_NEAREST_RESULTS = nq * k results per shard (12 bytes each); ``sample`` draws at most
+#: MAX_SAMPLE keys per call.
+MAX_ROWS_PER_SHARD = 2**31 - 1
+MAX_WIDTH = 1 << 16
+PREALLOCATED_ROWS = 1 << 22
+MAX_NEAREST_RESULTS = 1 << 27
+MAX_SAMPLE = 1 << 26
 #: Short batch methods run on the worker's event loop (``separate_thread=False``): this saves a
 #: thread hand-off per call. Long ones (nearest, sample, stats, snapshots) keep Dask's actor thread.
 _ON_EVENT_LOOP = frozenset({"lookup", "update", "apply_gradients", "row_metadata", "ping",
                             "table_configs"})
 
 
-class ShardLostError(RuntimeError):
-    """A shard's actor (or its worker) is gone; restore with ``KnowledgeBank.load(snapshot)``."""
+class ShardLostError(WorkerLostError):
+    """A shard's actor (or its worker) is gone. ``bank.recover()`` rebuilds it alone from the
+    latest snapshot (:meth:`KnowledgeBank.enable_snapshots`), or ``KnowledgeBank.load(snapshot)``
+    restores the whole bank.
+
+    A batch call that reaches several shards waits for all of them before raising, and says what
+    happened: ``shard`` (the first lost one), ``lost_shards``, ``applied_shards`` (the shards that
+    acknowledged the call: their part was applied), and for ``lookup``, ``update`` and
+    ``apply_gradients`` (and ``row_metadata``) ``applied_keys`` / ``unapplied_keys`` (int64 arrays;
+    None for other calls).
+    A lost shard's part was not acknowledged: after ``recover()`` it is there only if the shard's
+    write-ahead log recorded it before the worker died, so re-send ``unapplied_keys`` (an
+    ``update`` is idempotent; a gradient may then count twice).
+    """
+
+    def __init__(self, message: str, shard: int | None = None) -> None:
+        super().__init__(message)
+        self._bank: Any = None  # weakref to the bank that raised it
+        self.shard = shard
+        self.lost_shards: list[int] = [] if shard is None else [shard]
+        self.applied_shards: list[int] = []
+        self.applied_keys: np.ndarray | None = None
+        self.unapplied_keys: np.ndarray | None = None
+
+    @property
+    def bank(self) -> "KnowledgeBank | None":
+        """The bank that raised this error (None once it is gone): its :meth:`~KnowledgeBank.recover`
+        rebuilds the shard (what ``Trainer.fit`` does)."""
+        return None if self._bank is None else self._bank()
+
+
+class _Failed:
+    """A shard call that could not even be sent (its error is raised when the batch is
+    collected, after the other shards' calls were awaited)."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+
+    def done(self) -> bool:
+        return True
 
 
 # ----------------------------------------------------------------------------- validation helpers
@@ -118,11 +169,14 @@ def _as_matrix(values: Any, rows: int, width: int, name: str, dtype: Any = np.fl
     return array
 
 
-def _as_int(value: Any, name: str, minimum: int | None = None) -> int:
+def _as_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None,
+            why: str = "") -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}{why}, got {value}")
     if not -2**63 <= value < 2**63:
         raise ValueError(f"{name} must fit in int64, got {value}")
     return int(value)
@@ -153,7 +207,7 @@ def _embedding_table_config(dim: int, initializer: str = "normal", seed: int = 0
                             index: str = "flat", index_metric: str = "dot", hnsw_m: int = 32,
                             hnsw_ef_search: int = 64) -> dict[str, Any]:
     """The checked configuration of an embedding table (``create_table`` and snapshot loading)."""
-    dim = _as_int(dim, "dim", minimum=1)
+    dim = _as_int(dim, "dim", minimum=1, maximum=MAX_WIDTH)
     return {
         "kind": "embedding", "dim": dim,
         "initializer": _choice(initializer, "initializer", INITIALIZERS),
@@ -194,27 +248,9 @@ def _feature_table_config(schema: Any) -> dict[str, Any]:
             raise ValueError(f"schema[{field!r}] has an unknown dtype {spec[0]!r}") from error
         if dtype.kind not in "iufb":
             raise ValueError(f"schema[{field!r}] dtype must be numeric or bool, got {dtype}")
-        clean[field] = [dtype.name, _as_int(spec[1], f"schema[{field!r}] width", minimum=1)]
+        clean[field] = [dtype.name, _as_int(spec[1], f"schema[{field!r}] width", minimum=1,
+                                                   maximum=MAX_WIDTH)]
     return {"kind": "feature", "schema": clean}
-
-
-def _column_file_name(column: str) -> str:
-    """npz member name of a column: feature field ``field:ids`` is stored as ``field__ids``."""
-    return "field__" + column[len("field:"):] if column.startswith("field:") else column
-
-
-def _column_from_file_name(name: str) -> str:
-    return "field:" + name[len("field__"):] if name.startswith("field__") else name
-
-
-def _is_snapshot(path: Path) -> bool:
-    """Whether ``path`` is a directory holding a KnowledgeBank snapshot manifest."""
-    try:
-        with open(path / "manifest.json") as handle:
-            manifest = json.load(handle)
-    except (OSError, ValueError):
-        return False
-    return isinstance(manifest, dict) and manifest.get("format") == SNAPSHOT_FORMAT
 
 
 def _config_to_json(config: dict[str, Any]) -> dict[str, Any]:
@@ -228,146 +264,13 @@ def _config_from_json(value: Any) -> Any:
     return float(value) if value in ("inf", "-inf") else value
 
 
-def _snapshot_columns(config: dict[str, Any]) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
-    """Row columns of a table's snapshot file: {column: (dtype, shape of one row)}."""
-    columns = {"keys": (np.dtype(np.int64), ()), "version": (np.dtype(np.int64), ()),
-               "last_write_time": (np.dtype(np.float64), ()),
-               "lookup_count": (np.dtype(np.int64), ())}
-    if config["kind"] == "embedding":
-        columns["values"] = (np.dtype(np.float32), (config["dim"],))
-        columns["norms"] = (np.dtype(np.float32), ())
-        if config["optimizer"] == "adagrad":
-            columns["accumulator"] = (np.dtype(np.float32), (config["dim"],))
-    else:
-        for field, (dtype, width) in config["schema"].items():
-            columns["field:" + field] = (np.dtype(dtype), (width,))
-    return columns
-
-
-def _read_snapshot_table(path: Path, entry: Any, number: int) -> tuple[str, dict, dict, dict]:
-    """(name, checked config, arrays, counters) of manifest ``tables[number]``; ValueError
-    naming the file and the problem when anything is missing, malformed or inconsistent."""
-    where = f"snapshot {str(path)!r} table {number}"
-    if not isinstance(entry, dict) or not {"name", "config", "file"} <= set(entry):
-        raise ValueError(f"{where}: manifest entry must be a dict with name, config and file")
-    name, file_name, config = entry["name"], entry["file"], entry["config"]
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"{where}: table name must be a non-empty str, got {name!r}")
-    where = f"snapshot {str(path)!r} table {name!r}"
-    if not isinstance(file_name, str) or Path(file_name).name != file_name:
-        raise ValueError(f"{where}: file must be a plain file name, got {file_name!r}")
-    try:
-        if not isinstance(config, dict) or config.get("kind") not in ("embedding", "feature"):
-            raise ValueError("kind must be 'embedding' or 'feature'")
-        options = {k: _config_from_json(v) for k, v in config.items() if k != "kind"}
-        config = (_embedding_table_config(**options) if config["kind"] == "embedding"
-                  else _feature_table_config(**options))
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"{where}: bad table config ({error})") from error
-    counters = entry.get("counters", {})
-    if not isinstance(counters, dict) or not all(
-            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
-            for k, v in counters.items()):
-        raise ValueError(f"{where}: counters must be a dict of non-negative ints")
-    try:
-        with np.load(path / file_name, allow_pickle=False) as data:
-            arrays = {_column_from_file_name(column): data[column] for column in data.files}
-    except FileNotFoundError as error:
-        raise ValueError(f"{where}: file {file_name!r} is missing") from error
-    except Exception as error:  # zipfile.BadZipFile, EOFError, ValueError (object arrays), ...
-        raise ValueError(f"{where}: file {file_name!r} is not a readable npz archive "
-                         f"({type(error).__name__}: {error})") from error
-    expected = _snapshot_columns(config)
-    pending = {"pending_keys": (np.dtype(np.int64), ()),
-               "pending_gradients": (np.dtype(np.float32), (config.get("dim", 0),)),
-               "pending_times": (np.dtype(np.float64), ())}
-    if config["kind"] == "embedding" and set(pending) & set(arrays):
-        expected.update(pending)
-    if set(arrays) != set(expected):
-        raise ValueError(f"{where}: file {file_name!r} holds columns {sorted(arrays)}, "
-                         f"expected {sorted(expected)}")
-    rows = len(arrays["keys"]) if arrays["keys"].ndim == 1 else -1
-    for column, (dtype, row_shape) in expected.items():
-        length = len(arrays["pending_keys"]) if column.startswith("pending_") else rows
-        array = arrays[column]
-        if array.dtype != dtype or array.shape != (length,) + row_shape:
-            raise ValueError(f"{where}: column {column!r} must be {dtype} of shape "
-                             f"{[length, *row_shape]}, got {array.dtype} {list(array.shape)}")
-    if "rows" in entry and entry["rows"] != rows:
-        raise ValueError(f"{where}: manifest says {entry['rows']} rows, file holds {rows}")
-    keys = arrays["keys"]
-    if (keys == -1).any() or len(np.unique(keys)) != len(keys):
-        raise ValueError(f"{where}: keys must be distinct and not -1")
-    for column in ("values", "norms", "accumulator"):
-        if column in arrays and not np.isfinite(arrays[column]).all():
-            raise ValueError(f"{where}: column {column!r} contains NaN or Inf")
-    if "pending_keys" in arrays and not np.isin(arrays["pending_keys"], keys).all():
-        raise ValueError(f"{where}: pending_keys holds keys that have no row")
-    return name, config, arrays, counters
-
-
-def _read_snapshot(path: Path) -> tuple[int, list[tuple[str, dict, dict, dict]]]:
-    """(saved shard count, [(name, config, arrays, counters)]) of a snapshot directory, every part
-    checked before anything is built; ValueError naming the file and the problem otherwise."""
-    manifest_path = path / "manifest.json"
-    if not manifest_path.is_file():
-        raise FileNotFoundError(f"no KnowledgeBank snapshot at {str(path)!r} "
-                                f"(missing {manifest_path.name})")
-    try:
-        with open(manifest_path) as handle:
-            manifest = json.load(handle)
-    except (ValueError, UnicodeDecodeError) as error:
-        raise ValueError(f"snapshot manifest {str(manifest_path)!r} is not valid JSON "
-                         f"({error})") from error
-    if not isinstance(manifest, dict) or manifest.get("format") != SNAPSHOT_FORMAT:
-        raise ValueError(f"path {str(path)!r} is not a KnowledgeBank snapshot (manifest format "
-                         f"is not {SNAPSHOT_FORMAT!r})")
-    if manifest.get("version") != SNAPSHOT_VERSION:
-        raise ValueError(f"snapshot {str(path)!r} has format version {manifest.get('version')!r}; "
-                         f"this carlskit reads version {SNAPSHOT_VERSION}")
-    tables = manifest.get("tables")
-    if not isinstance(tables, list):
-        raise ValueError(f"snapshot {str(path)!r}: manifest 'tables' must be a list")
-    try:
-        num_shards = _as_int(manifest.get("num_shards"), "num_shards", minimum=1)
-    except (TypeError, ValueError) as error:
-        raise ValueError(f"snapshot {str(path)!r}: manifest {error}") from error
-    read = [_read_snapshot_table(path, entry, number) for number, entry in enumerate(tables)]
-    names = [name for name, *_ in read]
-    if len(set(names)) != len(names):
-        raise ValueError(f"snapshot {str(path)!r}: table names repeat: {names}")
-    return num_shards, read
-
-
-def _write_snapshot_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Write into a fresh sibling directory, then rename it onto ``path`` (old one removed last).
-
-    ``path`` must be absent, an empty directory or an earlier snapshot: anything else (a file, a
-    directory of other files) is refused with ValueError before anything is written, since the
-    rename would delete it."""
-    path = Path(path)
-    if path.exists() or path.is_symlink():
-        if not path.is_dir() or (any(path.iterdir()) and not _is_snapshot(path)):
-            raise ValueError(f"path {str(path)!r} exists and is not a KnowledgeBank snapshot "
-                             f"(or an empty directory); refusing to replace it")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex}"
-    tmp.mkdir()
-    try:
-        write(tmp)
-        for child in tmp.iterdir():
-            with open(child, "rb") as handle:
-                os.fsync(handle.fileno())
-        if path.exists():
-            old = path.parent / f".{path.name}.old-{uuid.uuid4().hex}"
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+def _checked_table_config(config: Any) -> dict[str, Any]:
+    """A table config read from a snapshot manifest, checked like ``create_table``'s arguments."""
+    if not isinstance(config, dict) or config.get("kind") not in ("embedding", "feature"):
+        raise ValueError("kind must be 'embedding' or 'feature'")
+    options = {k: _config_from_json(v) for k, v in config.items() if k != "kind"}
+    return (_embedding_table_config(**options) if config["kind"] == "embedding"
+            else _feature_table_config(**options))
 
 
 def _detached(array: np.ndarray, copy: bool) -> np.ndarray:
@@ -418,8 +321,10 @@ class BankFuture:
     """
 
     def __init__(self, bank: "KnowledgeBank", pending: dict[int, Any],
-                 finish: Callable[[dict[int, Any]], Any]) -> None:
+                 finish: Callable[[dict[int, Any]], Any],
+                 sent: dict[int, np.ndarray] | None = None) -> None:
         self._bank = bank
+        self._sent = sent
         self._pending: dict[int, Any] | None = pending
         self._finish = finish
         self._value: Any = None
@@ -434,7 +339,7 @@ class BankFuture:
     def result(self) -> Any:
         with self._lock:
             if self._pending is not None:
-                self._value = self._finish(self._bank._collect(self._pending))
+                self._value = self._finish(self._bank._collect(self._pending, self._sent))
                 self._pending = None
             return self._value
 
@@ -474,10 +379,12 @@ class KnowledgeBank:
                             f"got {type(clock).__name__}")
         self._client = client
         self._remote = client is not None
+        self._clock = clock
         self._direct: DirectPath | None = None
         self._configs: dict[str, dict[str, Any]] = {}
         self._shard_futures: list[Any] = []
         self._shard_workers: list[str | None] = [None] * num_shards
+        self._init_snapshots()
         if client is None:
             self._shards: list[Any] = [_Shard(i, num_shards, clock) for i in range(num_shards)]
         else:
@@ -519,18 +426,39 @@ class KnowledgeBank:
 
     def _lost(self, index: int, error: BaseException) -> ShardLostError:
         where = f" on worker {self._shard_workers[index]}" if self._shard_workers[index] else ""
-        return ShardLostError(
+        lost = ShardLostError(
             f"shard {index} of {self.num_shards}{where} is unreachable ({type(error).__name__}: "
-            f"{error}); its rows are lost: restore the bank with KnowledgeBank.load(<last "
-            f"snapshot>, client)")
+            f"{error}); its rows are gone from this bank: bank.recover() rebuilds it alone from "
+            f"the latest snapshot (see enable_snapshots), or KnowledgeBank.load(<snapshot>, "
+            f"client) restores the whole bank", shard=index)
+        lost.__cause__ = error
+        lost._bank = weakref.ref(self)
+        return lost
+
+    def _actor_gone(self, index: int) -> bool:
+        """Whether shard ``index``'s actor is known to be gone: the future that created it is no
+        longer finished, or its worker left the cluster (state, never an error message)."""
+        future = (self._shard_futures[index] if self._shard_futures
+                  else getattr(self._shards[index], "_future", None))
+        if actor_lost(future):
+            return True
+        if self._client is None or self._shard_workers[index] is None:
+            return False
+        try:
+            workers = self._client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # noqa: BLE001 - no answer from the scheduler: nothing known
+            return False
+        return self._shard_workers[index] not in workers
 
     def _submit(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
         """Issue one call per shard in ``calls`` ({shard: args}) without waiting. Distributed: the
-        Dask actor futures ({shard: future}); in-process: the results, computed at once."""
+        Dask actor futures ({shard: future}); in-process: the results, computed at once. A call
+        that cannot be sent is kept as a failure and raised by :meth:`_collect` once the other
+        shards' calls were awaited (so the error can say which shards applied theirs)."""
         self._require_open()
         if not self._remote:
             return {i: getattr(self._shards[i], method)(*args) for i, args in calls.items()}
-        futures = {}
+        futures: dict[int, Any] = {}
         options = {"separate_thread": False} if method in _ON_EVENT_LOOP else {}
         direct = self._direct
         for i, args in calls.items():
@@ -542,39 +470,62 @@ class KnowledgeBank:
                     call = direct.call(i, method, args, alive)  # None: unreachable from here
                 futures[i] = call if call is not None else getattr(self._shards[i], method)(
                     *args, **options)
-            except (OSError, RuntimeError, KeyError) as error:
-                raise self._lost(i, error) from error
+            except Exception as error:  # noqa: BLE001 - classified by type and actor state
+                lost = (isinstance(error, DirectPathLost) or is_worker_loss(error)
+                        or self._actor_gone(i))
+                futures[i] = _Failed(self._lost(i, error) if lost else error)
         return futures
 
-    def _collect(self, pending: dict[int, Any]) -> dict[int, Any]:
-        """Wait for the calls issued by :meth:`_submit`; {shard: result}. A failed shard raises
-        its own error, or ShardLostError naming it when its actor or worker is gone."""
+    def _result(self, i: int, future: Any) -> Any:
+        """The result of one shard call; ShardLostError when its actor or worker is gone."""
+        if isinstance(future, _Failed):
+            raise future.error
+        if isinstance(future, DirectCall):
+            try:
+                return future.result()
+            except DirectRequestLost as error:  # the shard lives; only this call is in doubt
+                raise ConnectionError(f"shard {i} of {self.num_shards}: {error}; the shard is still "
+                                      f"serving, so the call can be retried (a write may already "
+                                      f"have been applied)") from error
+            except DirectPathLost as error:  # any other error is the shard's own: as is
+                raise self._lost(i, error) from error
+        try:
+            return future.result()
+        except Exception as error:
+            if is_worker_loss(error) or self._actor_gone(i):
+                raise self._lost(i, error) from error
+            raise
+
+    def _collect(self, pending: dict[int, Any],
+                 keys_by_shard: dict[int, np.ndarray] | None = None) -> dict[int, Any]:
+        """Wait for every call issued by :meth:`_submit`; {shard: result}. A failed shard raises
+        its own error, or ShardLostError naming it (with what was applied where) when its actor or
+        worker is gone. ``keys_by_shard``: the keys each shard was sent (for the error)."""
         if not self._remote:
             return pending
-        results = {}
+        results: dict[int, Any] = {}
+        lost: list[ShardLostError] = []
+        other: BaseException | None = None
         for i, future in pending.items():
-            if isinstance(future, DirectCall):
-                try:
-                    results[i] = future.result()
-                except DirectRequestLost as error:  # the shard lives; only this call is in doubt
-                    raise ConnectionError(f"shard {i} of {self.num_shards}: {error}; the shard is still "
-                                          f"serving, so the call can be retried (a write may already "
-                                          f"have been applied)") from error
-                except DirectPathLost as error:  # any other error is the shard's own: as is
-                    raise self._lost(i, error) from error
-                continue
             try:
-                results[i] = future.result()
-            except (ValueError, TypeError) as error:
-                if "lost" in str(error).lower() or "worker" in str(error).lower():
-                    raise self._lost(i, error) from error
-                raise
-            except (OSError, RuntimeError, KeyError) as error:
-                raise self._lost(i, error) from error
-            except Exception as error:  # CancelledError and friends from the comm layer
-                if type(error).__module__.startswith(("distributed", "asyncio", "concurrent")):
-                    raise self._lost(i, error) from error
-                raise
+                results[i] = self._result(i, future)
+            except ShardLostError as error:
+                lost.append(error)
+            except Exception as error:  # noqa: BLE001 - raised below, after every shard answered
+                other = other or error
+        if lost:
+            error = lost[0]
+            error.lost_shards = [e.shard for e in lost]
+            error.applied_shards = sorted(results)
+            if keys_by_shard is not None:
+                empty = np.empty(0, np.int64)
+                error.applied_keys = np.concatenate(
+                    [empty] + [keys_by_shard[i] for i in sorted(results)])
+                error.unapplied_keys = np.concatenate(
+                    [empty] + [keys for i, keys in sorted(keys_by_shard.items()) if i not in results])
+            raise error
+        if other is not None:
+            raise other
         return results
 
     def _call(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
@@ -632,7 +583,7 @@ class KnowledgeBank:
             raise ValueError("name must be a non-empty str, got ''")
         if name in self._configs or name in self._call("table_configs", {0: ()})[0]:
             raise ValueError(f"table {name!r} already exists")
-        per_shard = max(16, -(-capacity // self.num_shards))
+        per_shard = min(max(16, -(-capacity // self.num_shards)), PREALLOCATED_ROWS)
         self._call_all("create_table", name, config, per_shard)
         self._configs[name] = config
 
@@ -662,14 +613,19 @@ class KnowledgeBank:
             epsilon=epsilon, max_pending=max_pending, pending_ttl_seconds=pending_ttl_seconds,
             outlier_threshold=outlier_threshold, index=index, index_metric=index_metric,
             hnsw_m=hnsw_m, hnsw_ef_search=hnsw_ef_search)
-        self._create(name, config, _as_int(capacity, "capacity", minimum=1))
+        self._create(name, config, self._capacity(capacity))
 
     def create_feature_table(self, name: str, schema: dict[str, tuple[str, int]], *,
                              capacity: int = 1024) -> None:
         """Create a table of fixed-width records, e.g. ``{"ids": ("int64", 32), "weights":
         ("float32", 32)}``. Absent fields read as -1 (signed integers), the largest value (unsigned
         integers), 0 (floats) or False (bool)."""
-        self._create(name, _feature_table_config(schema), _as_int(capacity, "capacity", minimum=1))
+        self._create(name, _feature_table_config(schema), self._capacity(capacity))
+
+    def _capacity(self, capacity: Any) -> int:
+        return _as_int(capacity, "capacity", minimum=1,
+                       maximum=MAX_ROWS_PER_SHARD * self.num_shards,
+                       why=f" ({MAX_ROWS_PER_SHARD} rows per shard: rows are int32)")
 
     @property
     def tables(self) -> dict[str, dict[str, Any]]:
@@ -683,8 +639,8 @@ class KnowledgeBank:
         ({field: [n, width]}, found) for feature tables. Flushes the keys' cached gradients first.
         Absent keys read as zeros (fill values) unless ``insert_missing`` inserts them with their
         initial value; ``found`` says whether each key existed before the call."""
-        pending, finish = self._send_lookup(table, keys, insert_missing, detach=False)
-        return finish(self._collect(pending))
+        pending, finish, sent = self._send_lookup(table, keys, insert_missing, detach=False)
+        return finish(self._collect(pending, sent))
 
     def lookup_async(self, table: str, keys: Any, insert_missing: bool = False) -> "BankFuture":
         """:meth:`lookup` without waiting: the shard calls are sent now and ``.result()`` returns
@@ -693,20 +649,23 @@ class KnowledgeBank:
         are copied, so the caller may reuse its buffer at once. Calls in flight together may reach
         a shard in any order; a lookup sees every write whose ``result()`` returned before it was
         issued. In-process banks compute at once."""
-        return BankFuture(self, *self._send_lookup(table, keys, insert_missing, detach=True))
+        pending, finish, sent = self._send_lookup(table, keys, insert_missing, detach=True)
+        return BankFuture(self, pending, finish, sent)
 
     def _send_lookup(self, table: str, keys: Any, insert_missing: bool,
-                     detach: bool) -> tuple[dict[int, Any], Callable[[dict[int, Any]], Any]]:
-        """Validate, route and send a lookup: (pending shard calls, merge of their results)."""
+                     detach: bool) -> tuple[dict[int, Any], Callable[[dict[int, Any]], Any], dict]:
+        """Validate, route and send a lookup: (pending shard calls, merge of their results, the
+        keys sent to each shard)."""
         config = self._config(table)
         keys = _as_keys(keys)
         if not isinstance(insert_missing, (bool, np.bool_)):
             raise TypeError(f"insert_missing must be a bool, got {type(insert_missing).__name__}")
         routes = self._route(keys)
         whole = _detached(keys, detach and self._remote)
-        pending = self._submit("lookup", {s: (table, whole if pos is None else keys[pos],
-                                              bool(insert_missing)) for s, pos in routes})
-        return pending, lambda results: _merge_lookups(config, len(keys), routes, results)
+        sent = {s: whole if pos is None else keys[pos] for s, pos in routes}
+        pending = self._submit("lookup", {s: (table, sent[s], bool(insert_missing))
+                                          for s, _ in routes})
+        return pending, lambda results: _merge_lookups(config, len(keys), routes, results), sent
 
     def update(self, table: str, keys: Any, values: Any, version: int = 0) -> None:
         """Write ``values`` ([n, dim] float, or {field: [n, width]}) for ``keys`` with the model
@@ -714,7 +673,7 @@ class KnowledgeBank:
         discarded. NaN/Inf values are rejected (ValueError) and nothing is written."""
         config = self._config(table)
         keys = _as_keys(keys)
-        version = _as_int(version, "version")
+        version = _as_int(version, "version", minimum=0)  # -1 marks "never updated"
         if config["kind"] == "embedding":
             values = _as_matrix(values, len(keys), config["dim"], "values")
             pick = lambda v, pos: v[pos]  # noqa: E731
@@ -726,33 +685,36 @@ class KnowledgeBank:
                       for field, (dtype, width) in config["schema"].items()}
             pick = lambda v, pos: {f: a[pos] for f, a in v.items()}  # noqa: E731
         routes = self._route(keys)
-        self._call("update", {s: (table, keys, values, version) if pos is None else
-                              (table, keys[pos], pick(values, pos), version) for s, pos in routes})
+        sent = {s: keys if pos is None else keys[pos] for s, pos in routes}
+        self._collect(self._submit("update", {
+            s: (table, keys, values, version) if pos is None else
+            (table, sent[s], pick(values, pos), version) for s, pos in routes}), sent)
 
     def apply_gradients(self, table: str, keys: Any, gradients: Any) -> None:
         """Cache gradients ([n, dim]) for ``keys``; they are applied lazily (module docstring):
         averaged with NaN/Inf and outlier gradients dropped, then one optimizer step per key.
         Keys not yet present are inserted with their initial value."""
-        self._collect(self._send_gradients(table, keys, gradients, detach=False))
+        self._collect(*self._send_gradients(table, keys, gradients, detach=False))
 
     def apply_gradients_async(self, table: str, keys: Any, gradients: Any) -> "BankFuture":
         """:meth:`apply_gradients` without waiting; ``.result()`` (None) waits for the shards and
         raises their errors. Inputs are validated and copied before anything is sent; ordering
         as in :meth:`lookup_async`."""
-        pending = self._send_gradients(table, keys, gradients, detach=True)
-        return BankFuture(self, pending, lambda results: None)
+        pending, sent = self._send_gradients(table, keys, gradients, detach=True)
+        return BankFuture(self, pending, lambda results: None, sent)
 
     def _send_gradients(self, table: str, keys: Any, gradients: Any,
-                        detach: bool) -> dict[int, Any]:
-        """Validate, route and send gradients; the pending shard calls."""
+                        detach: bool) -> tuple[dict[int, Any], dict[int, np.ndarray]]:
+        """Validate, route and send gradients; the pending shard calls and the keys each got."""
         config = self._embedding_config(table, "apply_gradients")
         keys = _as_keys(keys)
         gradients = _as_matrix(gradients, len(keys), config["dim"], "gradients", finite=False)
         routes = self._route(keys)
         detach = detach and self._remote
+        sent = {s: _detached(keys, detach) if pos is None else keys[pos] for s, pos in routes}
         return self._submit("apply_gradients", {
-            s: (table, _detached(keys, detach), _detached(gradients, detach)) if pos is None else
-            (table, keys[pos], gradients[pos]) for s, pos in routes})
+            s: (table, sent[s], _detached(gradients, detach)) if pos is None else
+            (table, sent[s], gradients[pos]) for s, pos in routes}), sent
 
     def flush(self, table: str | None = None) -> None:
         """Apply every cached gradient now (of one table, or of all)."""
@@ -778,7 +740,8 @@ class KnowledgeBank:
         if queries.ndim != 2:
             raise ValueError(f"queries must have shape [nq, {config['dim']}], got {queries.shape}")
         queries = _as_matrix(queries, queries.shape[0], config["dim"], "queries")
-        k = _as_int(k, "k", minimum=1)
+        k = _as_int(k, "k", minimum=1, maximum=max(1, MAX_NEAREST_RESULTS // max(1, len(queries))),
+                    why=f" (at most {MAX_NEAREST_RESULTS} results: nq * k, nq = {len(queries)})")
         metric = _choice(metric, "metric", METRICS)
         if exact not in (None, True, False):
             raise TypeError("exact must be None, True or False")
@@ -804,7 +767,7 @@ class KnowledgeBank:
         """``n`` keys drawn uniformly with replacement from all rows (e.g. contrastive negatives);
         deterministic in ``seed`` for a given bank content and sharding."""
         self._config(table)
-        n = _as_int(n, "n", minimum=0)
+        n = _as_int(n, "n", minimum=0, maximum=MAX_SAMPLE)
         seed = _as_int(seed, "seed", minimum=0)
         results = self._call_all("sample", table, n, seed)
         counts = np.array([count for _, count in results], dtype=np.float64)
@@ -823,8 +786,9 @@ class KnowledgeBank:
         self._config(table)
         keys = _as_keys(keys)
         routes = self._route(keys) or [(0, None)]  # no keys: ask one shard for empty columns
-        results = self._call("row_metadata", {s: (table, keys if pos is None else keys[pos])
-                                              for s, pos in routes})
+        sent = {s: keys if pos is None else keys[pos] for s, pos in routes}
+        results = self._collect(self._submit("row_metadata", {s: (table, sent[s]) for s in sent}),
+                                sent)
         if routes[0][1] is None:
             return _owned(results[0])
         out = {name: np.empty(len(keys), dtype=array.dtype)
@@ -861,77 +825,302 @@ class KnowledgeBank:
 
     def status(self) -> dict[str, Any]:
         """A dashboard summary (the source protocol of :class:`carlskit.widgets.ClusterStatus`):
-        shards, transport and one row per table (rows, pending gradients, version range)."""
+        shards, transport, one row per table (rows, pending gradients, version range) and the
+        automatic snapshots' state (None when off; "restarting" with a reason while a snapshot
+        fails, e.g. while a shard is lost)."""
         stats = self.stats()
         tables = [{"table": name, "rows": t["rows"], "rows_per_shard": t["rows_per_shard"],
                    "pending_gradients": t["pending_gradients"], "min_version": t["min_version"],
                    "max_version": t["max_version"]} for name, t in stats["tables"].items()]
-        return {"shards": self.num_shards, "transport": self.transport, "tables": tables}
+        snapshots = None if self._snapshotter is None else self._snapshotter.status()
+        return {"shards": self.num_shards, "transport": self.transport, "tables": tables,
+                "snapshots": snapshots}
 
     # ------------------------------------------------------------------ snapshots
+    def _init_snapshots(self) -> None:
+        self._series: SnapshotSeries | None = None
+        self._wal_directory: str | None = None
+        self._snapshot_lock = threading.RLock()
+        self._snapshotter: Any = None
+        self._snapshotter_stop: Any = None
+        self._published: str | None = None
+
+    def _call_parallel(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
+        """Like :meth:`_call`, with in-process shards in threads (snapshot parts in parallel)."""
+        if self._remote:
+            return self._call(method, calls)
+        self._require_open()
+        items = list(calls.items())
+        results = run_parallel([functools.partial(getattr(self._shards[i], method), *args)
+                                for i, args in items])
+        return {i: result for (i, _), result in zip(items, results)}
+
     def save(self, path: str | os.PathLike) -> None:
-        """Write a snapshot directory: ``manifest.json`` plus one ``table_NNN.npz`` per table
-        (values, versions, write times, lookup counts, optimizer state, pending gradients),
-        no pickle; written to a temporary sibling then renamed onto ``path``. ``path`` must be
-        absent, an empty directory or an earlier snapshot (anything else: ValueError, nothing
+        """Write a snapshot to ``path`` (a local or shared directory, or an fsspec URL such as
+        ``memory://x`` or ``s3://bucket/x``): every shard writes its own part of every table from
+        its own worker, in parallel (values, versions, write times, lookup counts, optimizer state,
+        pending gradients; raw columns with a SHA-256 each, no pickle), then this process writes
+        ``manifest.json`` (checksummed) as the commit point. Nothing passes through this process.
+
+        A shard's part is one moment of that shard (it holds its lock while writing); see
+        :mod:`carlskit.bank._snapshot` for what that means across shards. A save that fails
+        half-way (a lost worker) leaves the snapshot that was at ``path`` loadable. ``path`` must
+        be absent, an empty directory or an earlier snapshot (anything else: ValueError, nothing
         written)."""
-        exports = self._call_all("export_tables")
-        configs = self.tables
-        manifest: dict[str, Any] = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION,
-                                    "saved_at": time.time(), "num_shards": self.num_shards,
-                                    "tables": []}
+        self._require_open()
+        self._save(Location(path))
 
-        def write(directory: Path) -> None:
-            for number, (name, config) in enumerate(sorted(configs.items())):
-                parts = [export[name]["arrays"] for export in exports]
-                arrays = {column: np.concatenate([part[column] for part in parts])
-                          for column in parts[0]}
-                counters: dict[str, int] = {}
-                for export in exports:
-                    for key, value in export[name]["counters"].items():
-                        counters[key] = counters.get(key, 0) + int(value)
-                file_name = f"table_{number:03d}.npz"
-                np.savez(directory / file_name,
-                         **{_column_file_name(c): a for c, a in arrays.items()})
-                manifest["tables"].append({"name": name, "config": _config_to_json(config), "file": file_name,
-                                           "rows": int(len(arrays["keys"])), "counters": counters})
-            with open(directory / "manifest.json", "w") as handle:
-                json.dump(manifest, handle, indent=1, allow_nan=False)  # strict JSON
-
-        _write_snapshot_atomically(Path(path), write)
+    def _save(self, location: Location, wal_directory: str | None = None) -> dict[str, Any]:
+        check_save_target(location)
+        configs = sorted(self.tables.items())
+        names = [name for name, _ in configs]
+        save_id = new_save_id()
+        written = self._call_parallel("write_snapshot_parts", {
+            i: (location.url, save_id, names, wal_directory) for i in range(self.num_shards)})
+        tables = []
+        for name, config in configs:
+            parts = [written[i]["parts"][name] for i in range(self.num_shards)]
+            counters: dict[str, int] = {}
+            for part in parts:
+                for key, value in part["counters"].items():
+                    counters[key] = counters.get(key, 0) + int(value)
+            tables.append({"name": name, "config": _config_to_json(config),
+                           "rows": sum(part["rows"] for part in parts), "counters": counters,
+                           "parts": parts})
+        manifest = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "saved_at": time.time(),
+                    "num_shards": self.num_shards, "save_id": save_id, "tables": tables,
+                    "write_ahead_log": (None if wal_directory is None else
+                                        [written[i]["wal_segment"] for i in range(self.num_shards)])}
+        write_manifest(location, manifest)  # the commit point
+        return manifest
 
     @classmethod
     def load(cls, path: str | os.PathLike, client: Any = None, num_shards: int | None = None, *,
              clock: Callable[[], float] | None = None) -> "KnowledgeBank":
         """Restore a snapshot into ``num_shards`` shards (default: as saved), in-process or on
         ``client``'s workers: values, versions, write times, lookup counts, optimizer state and
-        pending gradients exactly as saved. The whole snapshot is checked first: a missing,
-        truncated or inconsistent file raises ValueError naming it (FileNotFoundError when there
-        is no manifest) and no bank is built."""
-        saved_shards, tables = _read_snapshot(Path(path))
+        pending gradients exactly as saved. Each shard reads its own part (same shard count) or
+        streams every part in bounded chunks keeping its rows (another shard count); nothing
+        passes through this process. The manifest and every part's size are checked before any
+        shard is built, every part's bytes against its SHA-256 while it is read: any damage raises
+        :class:`carlskit.CorruptFileError` naming the file (an interrupted save too; a
+        ValueError), and no bank is returned. FileNotFoundError when there is no snapshot."""
+        location = Location(path)
+        manifest = read_manifest(location)
         if num_shards is not None:
             num_shards = _as_int(num_shards, "num_shards", minimum=1)
-        bank = cls(client, saved_shards if num_shards is None else num_shards, clock=clock)
+        bank = cls(client, manifest["num_shards"] if num_shards is None else num_shards,
+                   clock=clock)
         try:
-            for name, config, arrays, counters in tables:
-                bank._create(name, config, max(1024, len(arrays["keys"])))
-                routes = bank._route(arrays["keys"]) or [(0, None)]  # no rows: counters still go
-                pending_routes = (dict(bank._route(arrays["pending_keys"]))
-                                  if "pending_keys" in arrays else {})  # {shard: positions}
-                payload = {}
-                for s, pos in routes:
-                    part = {c: a if pos is None else a[pos] for c, a in arrays.items()
-                            if not c.startswith("pending_")}
-                    if s in pending_routes:
-                        where = pending_routes[s]
-                        part.update({c: a if where is None else a[where] for c, a in arrays.items()
-                                     if c.startswith("pending_")})
-                    payload[s] = (name, part, counters if s == routes[0][0] else None)
-                bank._call("import_table", payload)
+            for entry in manifest["tables"]:
+                bank._create(entry["name"], entry["config"])
+            bank._call_parallel("import_snapshot", {
+                s: (location.url, _import_plan(manifest, s, bank.num_shards))
+                for s in range(bank.num_shards)})
         except BaseException:
             bank.close()  # release the shards (Dask actors) of the half-built bank
             raise
         return bank
+
+    def enable_snapshots(self, directory: str | os.PathLike, *, every_seconds: float | None = None,
+                         every_versions: int | None = None, keep: int = 3,
+                         write_ahead_log: bool = False, poll_seconds: float = 1.0) -> str:
+        """Keep snapshots of this bank in ``directory`` (``snapshot-NNNNNNNNNNNN`` folders, the
+        newest ``keep`` kept) so that :meth:`recover` can rebuild a lost shard; takes the first
+        one now and returns its path.
+
+        Args:
+          every_seconds: take one automatically when this many seconds passed since the last.
+          every_versions: take one automatically once an ``update`` wrote a version at least this
+            much above the largest version of the last snapshot. Both are checked every
+            ``poll_seconds`` by a supervised background thread (:class:`LongRunningTasks`: a failed
+            snapshot, e.g. while a shard is lost, is retried with backoff; see :meth:`status`).
+          write_ahead_log: each shard also appends every call that changes it to a log in
+            ``directory/wal`` before applying it (:mod:`carlskit.bank._wal`; a local or mounted
+            shared directory), truncated at each snapshot, so :meth:`recover` replays a lost shard's
+            acknowledged writes too. Costs a disk append per write (see BENCHMARKS.md).
+        """
+        self._require_open()
+        keep = _as_int(keep, "keep", minimum=1)
+        if every_seconds is not None:
+            every_seconds = _as_float(every_seconds, "every_seconds", positive=True)
+        if every_versions is not None:
+            every_versions = _as_int(every_versions, "every_versions", minimum=1)
+        poll_seconds = _as_float(poll_seconds, "poll_seconds", positive=True)
+        if not isinstance(write_ahead_log, bool):
+            raise TypeError(f"write_ahead_log must be a bool, got {type(write_ahead_log).__name__}")
+        series = SnapshotSeries(directory, keep)
+        if write_ahead_log and not series.location.local:
+            raise ValueError(f"write_ahead_log needs a local or mounted shared directory (the "
+                             f"shards append to files there), got {series.location.url!r}")
+        self._stop_snapshotter()
+        with self._snapshot_lock:
+            if self._wal_directory is not None and not write_ahead_log:
+                self._call_all("stop_write_ahead_log")
+            self._series = series
+            self._wal_directory = series.wal_directory if write_ahead_log else None
+            path = self.snapshot()
+        if every_seconds is not None or every_versions is not None:
+            from carlskit.cluster._supervised import LongRunningTasks, ThreadStopFlag
+
+            self._snapshotter_stop = ThreadStopFlag()
+            self._snapshotter = LongRunningTasks(None, "carlskit-bank-snapshots",
+                                                 piece="snapshotter")
+            self._snapshotter.launch("snapshots", self._snapshot_loop, lambda: (
+                self._snapshotter_stop, every_seconds, every_versions, poll_seconds))
+        return path
+
+    def snapshot(self) -> str:
+        """Take a snapshot into the directory of :meth:`enable_snapshots` now; its path. Older
+        ones beyond ``keep`` (and write-ahead log segments they no longer need) are removed."""
+        if self._series is None:
+            raise ValueError("snapshot() needs a snapshot directory: call enable_snapshots(directory)")
+        with self._snapshot_lock:
+            number, path = self._series.next_path()
+            manifest = self._save(Location(path), self._wal_directory)
+            if self._wal_directory is not None:
+                for shard, segment in enumerate(manifest["write_ahead_log"]):
+                    truncate_before(self._wal_directory, shard, segment)
+            self._series.prune(number)
+            return path
+
+    def latest_snapshot(self) -> str | None:
+        """The newest intact snapshot of :meth:`enable_snapshots`' directory (None if none)."""
+        return None if self._series is None else self._series.latest()
+
+    def _snapshot_loop(self, stop: Any, every_seconds: float | None, every_versions: int | None,
+                       poll_seconds: float) -> None:
+        last_time = time.monotonic()
+        last_version = max(self._call_all("max_version"))
+        while not stop.is_set():
+            time.sleep(poll_seconds)
+            due = every_seconds is not None and time.monotonic() - last_time >= every_seconds
+            version = None
+            if not due and every_versions is not None:
+                version = max(self._call_all("max_version"))
+                due = version >= last_version + every_versions
+            if due and not stop.is_set():
+                version = max(self._call_all("max_version")) if version is None else version
+                self.snapshot()
+                last_time, last_version = time.monotonic(), version
+
+    def _stop_snapshotter(self) -> None:
+        if self._snapshotter is not None:
+            self._snapshotter.stop(self._snapshotter_stop, timeout=60)
+            self._snapshotter = None
+
+    @property
+    def recoverable(self) -> bool:
+        """Whether :meth:`recover` can rebuild a lost shard by itself: a distributed bank that
+        created its shards and keeps snapshots (:meth:`enable_snapshots`)."""
+        return self._remote and bool(self._shard_futures) and self._series is not None
+
+    def lost_shards(self) -> list[int]:
+        """Shards whose actor or worker is gone (each checked by its actor's state, then a ping)."""
+        lost = []
+        for i in range(self.num_shards):
+            if self._actor_gone(i):
+                lost.append(i)
+                continue
+            try:
+                self._call("ping", {i: ()})
+            except ShardLostError:
+                lost.append(i)
+        return lost
+
+    def recover(self, snapshot: str | os.PathLike | None = None) -> dict[int, dict[str, Any]]:
+        """Rebuild every lost shard alone, on a live worker, from a snapshot; the other shards
+        keep their current contents. Explicit: the bank never does this behind a caller's back
+        (``Trainer.fit`` calls it when a knowledge stage meets a :class:`ShardLostError`).
+
+        The source is the latest intact snapshot of :meth:`enable_snapshots` (then, with
+        ``write_ahead_log=True``, the lost shard's log since that snapshot is replayed, so no
+        acknowledged write is lost), or ``snapshot`` (a path saved by this bank's shard count; no
+        log replayed). Without the log a recovered shard holds what it held at the snapshot: its
+        writes after it are lost (the other shards' are not).
+
+        Returns ``{shard: {"worker", "snapshot", "rows", "replayed_calls", "seconds"}}`` ({} when
+        no shard is lost). Raises ValueError when there is no snapshot to recover from, and
+        :class:`carlskit.CorruptFileError` for a damaged one.
+        """
+        self._require_open()
+        if not self._remote:
+            return {}
+        if not self._shard_futures:
+            raise ValueError("recover() needs the bank that created the shards (not one attached "
+                             "to them or unpickled in a task)")
+        lost = self.lost_shards()
+        if not lost:
+            return {}
+        with self._snapshot_lock:
+            wal_directory = None
+            if snapshot is None:
+                path = self.latest_snapshot()
+                if path is None:
+                    raise ValueError(f"shards {lost} are lost and there is no snapshot to rebuild "
+                                     f"them from: call enable_snapshots(directory) before a loss "
+                                     f"(or pass snapshot=<path>)")
+                wal_directory = self._wal_directory
+            else:
+                path = os.fspath(snapshot)
+            location = Location(path)
+            manifest = read_manifest(location)
+            if manifest["num_shards"] != self.num_shards:
+                raise ValueError(f"snapshot {location.url!r} has {manifest['num_shards']} shards, "
+                                 f"this bank {self.num_shards}: recover() rebuilds a shard from its "
+                                 f"own part")
+            if wal_directory is not None and manifest["write_ahead_log"] is None:
+                wal_directory = None
+            live = [i for i in range(self.num_shards) if i not in lost]
+            if live:
+                self._configs.update(self._call("table_configs", {live[0]: ()})[live[0]])
+            report = {}
+            for shard in lost:
+                start = time.perf_counter()
+                worker = self._pick_worker(lost)
+                future = self._client.submit(
+                    _Shard, shard, self.num_shards, self._clock, worker_process=True, actor=True,
+                    workers=[worker], allow_other_workers=False, pure=False)
+                actor = future.result()
+                for name, config in self._configs.items():
+                    actor.create_table(name, config, 1024).result()
+                actor.import_snapshot(location.url, _import_plan(manifest, shard,
+                                                                 self.num_shards)).result()
+                replayed = 0
+                if wal_directory is not None:
+                    replayed = actor.replay_write_ahead_log(
+                        wal_directory, manifest["write_ahead_log"][shard]).result()
+                address = actor.open_direct_path().result() if self._direct is not None else None
+                old = self._shard_futures[shard]
+                self._shards[shard], self._shard_futures[shard] = actor, future
+                self._shard_workers[shard] = worker
+                if self._direct is not None:
+                    addresses = list(self._direct.addresses)
+                    addresses[shard] = address
+                    self._direct = DirectPath(addresses)
+                old.release()
+                rows = {name: t["rows"] for name, t in actor.stats().result().items()}
+                report[shard] = {"worker": worker, "snapshot": location.url, "rows": rows,
+                                 "replayed_calls": replayed,
+                                 "seconds": time.perf_counter() - start}
+            if self._wal_directory is not None and wal_directory is None:
+                # the rebuilt shard does not continue the log it was not replayed from: a fresh
+                # snapshot is the base every shard's log starts from again
+                self.snapshot()
+            if self._published is not None:
+                self.publish(self._published)
+        return report
+
+    def _pick_worker(self, lost: list[int]) -> str:
+        """A live worker for a rebuilt shard: the one holding the fewest live shards."""
+        workers = sorted(self._client.scheduler_info(n_workers=-1)["workers"])
+        dead = {self._shard_workers[i] for i in lost}
+        candidates = [w for w in workers if w not in dead]
+        if not candidates:
+            raise ShardLostError(f"no live worker to rebuild shards {lost} on")
+        load = {w: sum(1 for i, sw in enumerate(self._shard_workers) if sw == w and i not in lost)
+                for w in candidates}
+        return min(candidates, key=lambda w: (load[w], w))
 
     # ------------------------------------------------------------------ sharing and lifetime
     def publish(self, name: str) -> None:
@@ -943,6 +1132,7 @@ class KnowledgeBank:
             from distributed import get_client
 
             self._client = get_client()
+        self._published = name
         self._client.publish_dataset(**{name: {"shards": self._shard_futures,
                                                "workers": self._shard_workers,
                                                "direct": self._direct}}, override=True)
@@ -968,6 +1158,12 @@ class KnowledgeBank:
     def close(self) -> None:
         """Release the shard actors (distributed) or drop the in-process shards. A shard's
         direct server stops with its actor, once no bank (or published dataset) holds it."""
+        self._stop_snapshotter()
+        if self._wal_directory is not None and self._shards:
+            try:
+                self._call_all("stop_write_ahead_log")
+            except (ShardLostError, ValueError):
+                pass
         owned = bool(self._shard_futures)
         self._direct = None
         for future in self._shard_futures:
@@ -993,6 +1189,27 @@ class KnowledgeBank:
                 f"<table><tr><th>table</th><th>kind</th><th>dim / fields</th></tr>{rows}</table>")
 
 
+def _import_plan(manifest: dict[str, Any], shard: int, num_shards: int) -> list:
+    """What shard ``shard`` of ``num_shards`` reads from a snapshot: per table (name, parts,
+    counters, same_layout). Same shard count: its own part and counters; another: every part
+    (streamed, its rows kept), the summed counters on shard 0."""
+    same = manifest["num_shards"] == num_shards
+    plan = []
+    for entry in manifest["tables"]:
+        if same:
+            part = entry["parts"][shard]
+            plan.append((entry["name"], [part], part["counters"], True))
+        else:
+            counters: dict[str, int] | None = None
+            if shard == 0:
+                counters = {}
+                for part in entry["parts"]:
+                    for key, value in part["counters"].items():
+                        counters[key] = counters.get(key, 0) + value
+            plan.append((entry["name"], entry["parts"], counters, False))
+    return plan
+
+
 def _direct_server_answers(actor: Any, token: str, timeout: float = 30.0) -> None:
     """Raise unless the shard actor answers through Dask within ``timeout`` seconds that its
     direct server (with ``token``) is still running."""
@@ -1013,6 +1230,8 @@ def _bank_from_actors(actors: list[Any], workers: list[str | None],
     worker's event loop, so the Dask client is looked up lazily (only ``publish`` needs it); the
     actors find their worker or client themselves."""
     bank = KnowledgeBank.__new__(KnowledgeBank)
+    bank._init_snapshots()
+    bank._clock = None
     bank._client = client
     bank._remote = True
     bank._configs = dict(configs)

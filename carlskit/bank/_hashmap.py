@@ -27,6 +27,16 @@ class Int64RowMap:
         self.size = 0
         self._allocate(self._buckets_for(capacity))
 
+    @classmethod
+    def restored(cls, bucket_keys: np.ndarray, bucket_rows: np.ndarray, bucket_fill: np.ndarray,
+                 size: int) -> "Int64RowMap":
+        """The map whose bucket arrays were saved in a snapshot part (loaded without rehashing)."""
+        self = cls.__new__(cls)
+        self.bucket_keys, self.bucket_rows, self.bucket_fill = bucket_keys, bucket_rows, bucket_fill
+        self.shift = np.uint64(64 - (len(bucket_fill).bit_length() - 1))
+        self.size = size
+        return self
+
     @staticmethod
     def _buckets_for(capacity: int) -> int:
         num_buckets = 4

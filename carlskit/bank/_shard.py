@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ._snapshot import Location, PartReader, part_file_name, write_part
 from ._tables import EmbeddingTable, FeatureTable, RowStore
+from ._wal import WriteAheadLog, records_since
 
 
 #: glibc ``mallopt`` parameters and the values a shard's worker process gets (see below).
@@ -54,12 +56,34 @@ class _Shard:
         self._tables: dict[str, RowStore] = {}
         self._lock = threading.Lock()
         self._direct_server: Any = None
+        self._wal: WriteAheadLog | None = None
 
     def _table(self, name: str) -> tuple[RowStore, float]:
+        """A table for a call that only reads it: the ttl flush it may trigger is logged."""
         table = self._tables[name]
         now = self._clock()
-        table.maintain(now)
+        if table.maintain(now) and self._wal is not None:
+            self._wal.append("maintain", now, (name,))
         return table, now
+
+    def _write(self, method: str, name: str | None, *args: Any) -> Any:
+        """A call that changes the shard: logged first (write-ahead), then applied."""
+        now = self._clock()
+        if self._wal is not None:
+            self._wal.append(method, now, (name, *args))
+        return self._apply(method, now, name, *args)
+
+    def _apply(self, method: str, now: float, name: str | None, *args: Any) -> Any:
+        """Apply one logged call at its time ``now`` (live calls and write-ahead log replay)."""
+        if method == "flush":
+            for table_name in [name] if name is not None else list(self._tables):
+                self._tables[table_name].flush_all(now)
+            return None
+        table = self._tables[name]
+        table.maintain(now)
+        if method == "maintain":
+            return None
+        return getattr(table, method)(*args, now)
 
     def ping(self) -> int:
         return self.shard_index
@@ -102,19 +126,16 @@ class _Shard:
             return {name: table.config for name, table in self._tables.items()}
 
     def lookup(self, name: str, keys: np.ndarray, insert_missing: bool):
-        with self._lock:
-            table, now = self._table(name)
-            return table.lookup(keys, insert_missing, now)
+        with self._lock:  # a lookup counts, may insert rows and applies cached gradients
+            return self._write("lookup", name, keys, insert_missing)
 
     def update(self, name: str, keys: np.ndarray, values: Any, version: int) -> None:
         with self._lock:
-            table, now = self._table(name)
-            table.update(keys, values, version, now)
+            self._write("update", name, keys, values, version)
 
     def apply_gradients(self, name: str, keys: np.ndarray, gradients: np.ndarray) -> None:
         with self._lock:
-            table, now = self._table(name)
-            table.apply_gradients(keys, gradients, now)
+            self._write("apply_gradients", name, keys, gradients)
 
     def nearest(self, name: str, queries: np.ndarray, k: int, metric: str,
                 exclude: np.ndarray | None, exact: bool | None):
@@ -135,37 +156,92 @@ class _Shard:
 
     def flush(self, name: str | None = None) -> None:
         with self._lock:
-            now = self._clock()
-            for table_name in [name] if name is not None else list(self._tables):
-                self._tables[table_name].flush_all(now)
+            self._write("flush", name)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
-            now = self._clock()
-            out = {}
-            for name, table in self._tables.items():
-                table.maintain(now)
-                out[name] = table.stats()
-            return out
+            return {name: self._table(name)[0].stats() for name in list(self._tables)}
 
-    def export_tables(self) -> dict[str, dict[str, Any]]:
-        """Every table's used rows, pending gradients and counters (for snapshots)."""
+    def max_version(self) -> int:
+        """The largest version any update has written (-1 if none): automatic snapshots."""
         with self._lock:
-            return {name: {"arrays": table.export(), "counters": dict(table.counters)}
-                    for name, table in self._tables.items()}
+            return max([table.max_version for table in self._tables.values()], default=-1)
 
-    def import_table(self, name: str, arrays: dict[str, np.ndarray],
-                     counters: dict[str, int] | None) -> None:
+    # ----- snapshots and the write-ahead log (carlskit.bank._snapshot, carlskit.bank._wal)
+    def write_snapshot_parts(self, url: str, save_id: str, names: list[str],
+                             wal_directory: str | None) -> dict[str, Any]:
+        """Write this shard's part of every table in ``names`` (numbered in that order) to the
+        snapshot directory ``url``, all under the shard's lock (one moment of this shard). With
+        ``wal_directory``, a new write-ahead log segment starts at exactly this moment."""
+        location = Location(url)
         with self._lock:
-            table = self._tables[name]
-            table.import_rows(arrays)
-            if isinstance(table, EmbeddingTable) and "pending_keys" in arrays:
-                table.import_pending(arrays["pending_keys"], arrays["pending_gradients"],
-                                     arrays["pending_times"])
-            if counters:
-                for key, value in counters.items():
+            parts = {}
+            for number, name in enumerate(names):
+                table = self._tables[name]
+                columns, meta = table.snapshot_columns()
+                part = write_part(location, part_file_name(save_id, number, self.shard_index),
+                                  columns)
+                parts[name] = {**part, **meta, "counters": dict(table.counters)}
+            segment = None
+            if wal_directory is not None:
+                segment = (self._wal.segment + 1 if self._wal is not None
+                           and self._wal.wal_directory == wal_directory
+                           else WriteAheadLog.next_segment(wal_directory, self.shard_index))
+                self._start_wal(wal_directory, segment)
+            return {"parts": parts, "wal_segment": segment}
+
+    def _start_wal(self, wal_directory: str | None, segment: int | None) -> None:
+        if self._wal is not None:
+            self._wal.close()
+            self._wal = None
+        if wal_directory is not None:
+            self._wal = WriteAheadLog(wal_directory, self.shard_index, segment)
+
+    def stop_write_ahead_log(self) -> None:
+        with self._lock:
+            self._start_wal(None, None)
+
+    def write_ahead_log_records(self) -> int:
+        """Records appended to the current segment (0 without a log)."""
+        with self._lock:
+            return 0 if self._wal is None else self._wal.records
+
+    def import_snapshot(self, url: str, plan: list[tuple[str, list[dict], dict | None, bool]]) -> None:
+        """Load snapshot parts into this shard's (empty, created) tables. ``plan``: per table
+        (name, parts, counters to add or None, same_layout): with ``same_layout`` the one part is
+        this shard's own (read straight into the table); else every part is streamed and the rows
+        routed to this shard are kept. Every part's bytes are checked against its SHA-256."""
+        location = Location(url)
+        with self._lock:
+            for name, parts, counters, same_layout in plan:
+                table = self._tables[name]
+                pending = []
+                for part in parts:
+                    reader = PartReader(location, part)
+                    try:
+                        pending.append(table.restore_part(reader) if same_layout else
+                                       table.reroute_part(reader, self.shard_index,
+                                                          self.num_shards))
+                    finally:
+                        reader.close()
+                table.import_pending(pending)
+                for key, value in (counters or {}).items():
                     table.counters[key] = table.counters.get(key, 0) + int(value)
 
-    def import_tables(self, payload: dict[str, dict[str, Any]]) -> None:
-        for name, item in payload.items():
-            self.import_table(name, item["arrays"], item.get("counters"))
+    def replay_write_ahead_log(self, wal_directory: str, first_segment: int) -> int:
+        """Apply every logged call since the snapshot this shard was loaded from (segments from
+        ``first_segment`` on), each at its logged time; then log on in a new segment. Returns the
+        number of calls replayed."""
+        with self._lock:
+            count = 0
+            for method, now, args in records_since(wal_directory, self.shard_index, first_segment):
+                try:
+                    self._apply(method, now, *args)
+                except (ValueError, TypeError, KeyError, IndexError):
+                    # the live call raised the same error to its caller (it was logged before it
+                    # was applied): it failed then, it fails now, and the rest still applies
+                    continue
+                count += 1
+            self._start_wal(wal_directory, WriteAheadLog.next_segment(wal_directory,
+                                                                      self.shard_index))
+            return count

@@ -11,10 +11,13 @@ from typing import Any
 
 import numpy as np
 
-from ._hashing import initial_values
+from carlskit._errors import CorruptFileError
+
+from ._hashing import initial_values, shard_of
 from ._hashmap import Int64RowMap
 from ._lazy import adagrad_step, combine_gradients, sgd_step
 from ._nearest import HNSWIndex, exact_search, top_k, worst_score
+from ._snapshot import REROUTE_CHUNK_ROWS, expected_layout
 
 _GROWTH = 1.5
 
@@ -51,6 +54,7 @@ class RowStore:
     def __init__(self, config: dict[str, Any], capacity: int = 1024) -> None:
         self.config = config
         self.num_rows = 0
+        self.max_version = -1  # of any update so far (automatic snapshots every N versions)
         self.capacity = capacity
         self.row_map = Int64RowMap(capacity)
         self.counters = new_counters()
@@ -141,18 +145,94 @@ class RowStore:
                 "max_version": int(written.max()) if len(written) else None,
                 "rows_with_version": int(len(written)), **self.counters}
 
-    def export(self) -> dict[str, np.ndarray]:
-        return {name: column[: self.num_rows].copy() for name, column in self.columns.items()}
+    # ----- snapshots (format: carlskit.bank._snapshot)
+    def snapshot_columns(self) -> tuple[list[tuple[str, np.ndarray]], dict[str, int]]:
+        """The columns of this table's snapshot part, in file order, as views of the table's own
+        arrays (no copy; pending gradients are gathered), and the part's rows / pending / buckets."""
+        pending = self.pending_arrays()
+        meta = {"rows": self.num_rows, "pending": len(pending.get("pending_keys", ())),
+                "row_map_buckets": len(self.row_map.bucket_fill)}
+        sources = {"row_map_keys": self.row_map.bucket_keys, "row_map_rows": self.row_map.bucket_rows,
+                   "row_map_fill": self.row_map.bucket_fill, **pending}
+        columns = []
+        for name, _, _ in expected_layout(self.config, meta["rows"], meta["pending"],
+                                          meta["row_map_buckets"]):
+            columns.append((name, sources[name] if name in sources
+                            else self.columns[name][: self.num_rows]))
+        return columns, meta
 
-    def import_rows(self, arrays: dict[str, np.ndarray]) -> None:
-        """Append rows restored from a snapshot (keys must be new to this table)."""
-        keys = arrays["keys"]
-        self._reserve(self.num_rows + len(keys))
-        rows = self.row_map.insert_new(keys)
-        self.num_rows += len(keys)
-        for name, column in self.columns.items():
-            if name in arrays:
-                column[rows] = arrays[name]
+    def pending_arrays(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def restore_part(self, reader: Any) -> dict[str, np.ndarray]:
+        """Read a part saved by the shard of the same index and shard count into this empty
+        table: columns straight into the table's arrays, the hash map as saved (no rehashing).
+        Returns the part's pending gradients (for :meth:`import_pending`)."""
+        part, rows = reader.part, reader.part["rows"]
+        if self.num_rows:
+            raise ValueError("a snapshot part is restored into an empty table only")
+        self._reserve(rows)
+        extra = {}
+        for name, _, _, _ in part["layout"]:
+            if name in self.columns:
+                reader.read_into(name, self.columns[name][:rows])
+            else:  # pending gradients and the hash map's buckets
+                extra[name] = reader.read_new(name)
+        reader.finish()  # every byte against the manifest's SHA-256
+        if int(extra["row_map_fill"].sum()) != rows:
+            raise CorruptFileError(reader.where, f"its hash map holds {int(extra['row_map_fill'].sum())} "
+                                                 f"keys for {rows} rows")
+        self.row_map = Int64RowMap.restored(extra["row_map_keys"], extra["row_map_rows"],
+                                            extra["row_map_fill"], rows)
+        self.num_rows = rows
+        self.restored_rows(0, rows)
+        return {k: v for k, v in extra.items() if k.startswith("pending_")}
+
+    def reroute_part(self, reader: Any, shard_index: int,
+                     num_shards: int) -> dict[str, np.ndarray]:
+        """Append the rows of a part that route to ``shard_index`` of ``num_shards``: the keys
+        column is read whole, every other column in chunks of REROUTE_CHUNK_ROWS rows. Returns the
+        part's pending gradients of those rows (:meth:`import_pending` takes all parts at once)."""
+        keys = reader.read_new("keys")
+        mine = shard_of(keys, num_shards) == shard_index
+        chosen = keys[mine]
+        start = self.num_rows
+        self._reserve(start + len(chosen))
+        extra: dict[str, np.ndarray] = {}
+        pending_mine = None
+        for name, _, _, _ in reader.part["layout"][1:]:
+            if name in self.columns or name in ("pending_gradients", "pending_times"):
+                selection = mine if name in self.columns else pending_mine
+                dtype, shape = reader.columns[name]
+                if name in self.columns:
+                    out = self.columns[name][start:start + len(chosen)]
+                else:
+                    out = extra[name] = np.empty((int(selection.sum()),) + shape[1:], dtype)
+                done = 0
+                for first, chunk in reader.read_chunks(name, REROUTE_CHUNK_ROWS):
+                    picked = chunk[selection[first:first + len(chunk)]]
+                    out[done:done + len(picked)] = picked
+                    done += len(picked)
+            elif name == "pending_keys":
+                pending_keys = reader.read_new(name)
+                pending_mine = shard_of(pending_keys, num_shards) == shard_index
+                extra[name] = pending_keys[pending_mine]
+            else:
+                reader.skip(name)  # the saved hash map: this shard builds its own
+        reader.finish()
+        self.columns["keys"][start:start + len(chosen)] = chosen
+        self.row_map.insert_new(chosen)
+        self.num_rows = start + len(chosen)
+        self.restored_rows(start, self.num_rows)
+        return extra
+
+    def restored_rows(self, start: int, end: int) -> None:
+        """Finish rows [start, end) read from a snapshot (per-kind state)."""
+        if end > start:
+            self.max_version = max(self.max_version, int(self.columns["version"][start:end].max()))
+
+    def import_pending(self, parts: list[dict[str, np.ndarray]]) -> None:
+        """Pending gradients read from snapshot parts (embedding tables only)."""
 
 
 class PendingGradients:
@@ -313,12 +393,15 @@ class EmbeddingTable(RowStore):
     def _count(self) -> np.ndarray:
         return self.columns["pending_count"][: self.num_rows]
 
-    def maintain(self, now: float) -> None:
-        """Flush keys whose oldest cached gradient is older than ``pending_ttl_seconds``."""
+    def maintain(self, now: float) -> bool:
+        """Flush keys whose oldest cached gradient is older than ``pending_ttl_seconds``; whether
+        any was due."""
         if self.pending.live:
             due = self.pending.due_rows(now - self.config["pending_ttl_seconds"])
             if len(due):
                 self.flush_rows(due, now)
+                return True
+        return False
 
     def flush_rows(self, rows: np.ndarray, now: float) -> None:
         """Apply the cached gradients of distinct ``rows`` with the lazy averaged rule."""
@@ -380,6 +463,7 @@ class EmbeddingTable(RowStore):
                 self.counters["discarded_by_update"] += len(gradients)
         self._write_values(rows, values, now)
         self.version[rows] = version
+        self.max_version = max(self.max_version, version)
         self.counters["update_shard_calls"] += 1
         self.counters["rows_updated"] += len(rows)
 
@@ -417,25 +501,30 @@ class EmbeddingTable(RowStore):
                 "pending_keys": int((self.pending_count[: self.num_rows] > 0).sum())}
 
     # ----- snapshots
-    def export(self) -> dict[str, np.ndarray]:
-        arrays = super().export()
-        del arrays["pending_head"], arrays["pending_count"]
+    def pending_arrays(self) -> dict[str, np.ndarray]:
         live = self.pending.live_entries()  # arrival (= time) order
-        arrays["pending_keys"] = self.keys[self.pending.rows[live]]
-        arrays["pending_gradients"] = self.pending.gradients[live].copy()
-        arrays["pending_times"] = self.pending.times[live].copy()
-        return arrays
+        return {"pending_keys": self.keys[self.pending.rows[live]],
+                "pending_gradients": self.pending.gradients[live],
+                "pending_times": self.pending.times[live]}
 
-    def import_rows(self, arrays: dict[str, np.ndarray]) -> None:
-        start = self.num_rows
-        super().import_rows(arrays)
-        self.pending_head[start:self.num_rows] = -1
-        self.pending_count[start:self.num_rows] = 0
+    def restored_rows(self, start: int, end: int) -> None:
+        super().restored_rows(start, end)
+        self.pending_head[start:end] = -1
+        self.pending_count[start:end] = 0
 
-    def import_pending(self, keys: np.ndarray, gradients: np.ndarray, times: np.ndarray) -> None:
-        order = np.argsort(times, kind="stable")
-        rows = self.row_map.get(keys[order])
-        self.pending.append(rows, gradients[order], times[order], self._head, self._count)
+    def import_pending(self, parts: list[dict[str, np.ndarray]]) -> None:
+        """All parts' pending gradients at once, in time order (arrival order is time order)."""
+        parts = [part for part in parts if "pending_keys" in part]
+        if not parts:
+            return
+        keys, gradients, times = (np.concatenate([part[name] for part in parts]) for name in
+                                  ("pending_keys", "pending_gradients", "pending_times"))
+        if len(keys):
+            order = np.argsort(times, kind="stable")
+            rows = self.row_map.get(keys[order])
+            if (rows < 0).any():
+                raise ValueError("snapshot part: pending gradients of keys that have no row")
+            self.pending.append(rows, gradients[order], times[order], self._head, self._count)
 
 
 class FeatureTable(RowStore):
@@ -454,8 +543,9 @@ class FeatureTable(RowStore):
         for _, column in self._fields():
             column[rows] = _fill_value(column.dtype)
 
-    def maintain(self, now: float) -> None:
+    def maintain(self, now: float) -> bool:
         """Feature tables cache no gradients: there is nothing to flush on a ttl."""
+        return False
 
     def flush_all(self, now: float) -> None:
         """Feature tables cache no gradients: there is nothing to apply."""
@@ -481,6 +571,7 @@ class FeatureTable(RowStore):
         for field, column in self._fields():
             column[rows] = values[field][last]
         self.version[rows] = version
+        self.max_version = max(self.max_version, version)
         self.last_write_time[rows] = now
         self.counters["update_shard_calls"] += 1
         self.counters["rows_updated"] += len(rows)

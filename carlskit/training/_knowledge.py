@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from typing import Any, Callable
 
 import numpy as np
+
+from carlskit.bank import ShardLostError
 
 from carlskit._checks import positive_int
 from carlskit.training._pipeline import Batch
@@ -25,6 +28,39 @@ def table_config(bank: Any, name: str, kind: str, fields: tuple[str, ...] = ()) 
     if fields and set(config.get("schema") or {}) != set(fields):
         raise ValueError(f"table {name!r} must be {wanted}, got fields {sorted(config.get('schema') or {})}")
     return config
+
+
+def with_bank_recovery(knowledge: Callable[[Batch], Batch] | None,
+                       recoveries: list[dict]) -> Callable[[Batch], Batch] | None:
+    """``knowledge`` that survives a lost bank shard (used by ``Trainer.fit``).
+
+    When a stage raises :class:`carlskit.bank.ShardLostError` and the bank that raised it keeps
+    snapshots (``KnowledgeBank.enable_snapshots``), the bank's ``recover()`` rebuilds the lost shard
+    from the latest snapshot (plus its write-ahead log, if on) and the batch is enriched again; each
+    recovery is appended to ``recoveries`` (shards, seconds, what ``recover()`` reported). Without
+    snapshots there is nothing to rebuild from: a ShardLostError saying so is raised (``fit`` then
+    publishes a checkpoint of the last finished step and stops).
+    """
+    if knowledge is None:
+        return None
+
+    def stage(batch: Batch) -> Batch:
+        try:
+            return knowledge(batch)
+        except ShardLostError as error:
+            bank = error.bank
+            if bank is None or not bank.recoverable:
+                raise ShardLostError(f"the knowledge pipeline lost bank shard {error.shard} and the "
+                                     f"bank keeps no snapshots to rebuild it from (call "
+                                     f"KnowledgeBank.enable_snapshots before training): {error}",
+                                     shard=error.shard) from error
+            start = time.perf_counter()
+            report = bank.recover()
+            recoveries.append({"shards": sorted(report), "seconds": time.perf_counter() - start,
+                               "report": report})
+            return knowledge(batch)
+
+    return stage
 
 
 def _batch_ids(batch: Batch, key: str, stage: str) -> np.ndarray:

@@ -19,7 +19,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from carlskit.bank import ShardLostError
 from carlskit.training._checkpoint import CheckpointStore
+from carlskit.training._knowledge import with_bank_recovery
 from carlskit._checks import positive_int
 from carlskit.widgets import LivePlot, in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
@@ -73,7 +75,11 @@ class Trainer:
       loss_fn: ``loss_fn(model, batch) -> (loss, metrics)``; a pure function of the model and a batch
         of arrays (keys starting with ``_`` are host-side statistics and not passed to it).
       knowledge: ``knowledge(batch) -> batch`` run in the prefetch thread (e.g.
-        :class:`carlskit.training.NeighborKnowledge`), so bank lookups overlap compute.
+        :class:`carlskit.training.NeighborKnowledge`), so bank lookups overlap compute. A lost bank
+        shard is rebuilt by the bank's ``recover()`` and the fit goes on when the bank keeps
+        snapshots (``KnowledgeBank.enable_snapshots``; see ``bank_recoveries``); otherwise ``fit``
+        publishes a checkpoint of the last finished step and raises ``ShardLostError`` naming the
+        shard.
       checkpoints: a :class:`CheckpointStore` or a path for one; the trainer resumes from its latest
         checkpoint and publishes a new one every ``checkpoint_every`` steps (version = step).
       summaries: optional writer with ``scalar(name, value, step)`` (e.g. ``SummaryWriter``).
@@ -117,6 +123,8 @@ class Trainer:
         self.summaries = summaries
         self.prefetch = prefetch
         self.step = 0
+        #: lost bank shards rebuilt during fits: {"shards", "seconds", "report"} per recovery
+        self.bank_recoveries: list[dict] = []
         self.history: list[dict] = []
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
         self._mesh = _data_mesh()
@@ -247,7 +255,8 @@ class Trainer:
     def _fit(self, data, steps: int, stop: threading.Event, progress: bool, plot: LivePlot | None) -> None:
         from tqdm.auto import tqdm
 
-        prefetcher = Prefetcher(self._source(data, self.step), self.knowledge, self.prefetch)
+        prefetcher = Prefetcher(self._source(data, self.step),
+                                with_bank_recovery(self.knowledge, self.bank_recoveries), self.prefetch)
         bar = tqdm(total=steps, desc="train", disable=not progress, leave=True)
         try:
             for _ in range(steps):
@@ -257,6 +266,10 @@ class Trainer:
                     batch = next(prefetcher)
                 except StopIteration:
                     break
+                except ShardLostError:  # unrecoverable (no snapshots): stop, resumable from here
+                    self.sync()
+                    self.save_checkpoint()
+                    raise
                 if not isinstance(batch, dict):
                     raise TypeError(f"each batch must be a dict of arrays, got {type(batch).__name__} "
                                     f"at step {self.step + 1}")

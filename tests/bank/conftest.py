@@ -43,19 +43,37 @@ def clock():
     return FakeClock()
 
 
+def read_snapshot_columns(directory: pathlib.Path) -> tuple[dict, dict]:
+    """(manifest content, {table: {column: array over all parts}}) of a snapshot directory, read
+    from its documented layout (raw columns at the offsets the manifest lists), not through the
+    bank. The shards' hash maps (row_map_*) are left out: they depend on the sharding."""
+    manifest = json.loads((directory / "manifest.json").read_text())["content"]
+    tables = {}
+    for entry in manifest["tables"]:
+        columns: dict = {}
+        for part in entry["parts"]:
+            data = (directory / part["file"]).read_bytes()
+            for name, dtype, shape, offset in part["layout"]:
+                if name.startswith("row_map_"):
+                    continue
+                size = np.dtype(dtype).itemsize * int(np.prod(shape))
+                array = np.frombuffer(data[offset:offset + size], dtype=dtype).reshape(shape)
+                columns.setdefault(name, []).append(array)
+        tables[entry["name"]] = {name: np.concatenate(arrays) for name, arrays in columns.items()}
+    return manifest, tables
+
+
 def _bank_contents(kb, directory: pathlib.Path) -> dict:
     """Every array and counter of the bank, read back through a snapshot (public API only)."""
     kb.save(directory)
-    manifest = json.loads((directory / "manifest.json").read_text())
+    manifest, tables = read_snapshot_columns(directory)
     out = {"tables": {t["name"]: (t["config"], t["counters"]) for t in manifest["tables"]}}
-    for entry in manifest["tables"]:
-        with np.load(directory / entry["file"], allow_pickle=False) as data:
-            order = np.argsort(data["keys"])  # rows: by key; pending: by time, then key (stable)
-            pending_order = (np.lexsort((data["pending_keys"], data["pending_times"]))
-                             if "pending_keys" in data.files else None)
-            for name in data.files:
-                array = data[name]
-                out[entry["name"], name] = array[pending_order if name.startswith("pending") else order]
+    for name, data in tables.items():
+        order = np.argsort(data["keys"])  # rows: by key; pending: by time, then key (stable)
+        pending_order = (np.lexsort((data["pending_keys"], data["pending_times"]))
+                         if "pending_keys" in data else None)
+        for column, array in data.items():
+            out[name, column] = array[pending_order if column.startswith("pending") else order]
     return out
 
 

@@ -1,10 +1,15 @@
 """KnowledgeBank in-process: every operation, the lazy rule end to end, nearest, snapshots, errors."""
 
+import hashlib
 import json
+import uuid
 
+import fsspec
 import numpy as np
 import pytest
 
+from carlskit._errors import CorruptFileError
+from carlskit._serialization import dumps_checked_json, loads_checked_json
 from carlskit.bank import KnowledgeBank, key_from_string
 
 DIM = 8
@@ -422,6 +427,12 @@ BAD_CALLS = [
     ("nearest", ("emb", np.ones((2, DIM))), {"exclude": [1, 2, 3]}, ValueError, "exclude"),
     ("sample", ("emb",), {"n": -1}, ValueError, "n"),
     ("row_metadata", ("emb", [-1]), {}, ValueError, "-1"),
+    ("update", ("emb", [1], np.ones((1, DIM))), {"version": -1}, ValueError, "version must be >= 0"),
+    ("create_table", ("new",), {"dim": 4, "capacity": 2**62}, ValueError, "capacity must be <="),
+    ("create_table", ("new",), {"dim": 2**40}, ValueError, "dim must be <="),
+    ("create_feature_table", ("new", {"a": ("int8", 2**40)}), {}, ValueError, "width must be <="),
+    ("nearest", ("emb", np.ones((2, DIM))), {"k": 2**40}, ValueError, "k must be <="),
+    ("sample", ("emb",), {"n": 2**40}, ValueError, "n must be <="),
 ]
 
 
@@ -485,20 +496,50 @@ def test_async_calls_in_process_are_computed_at_once():
     assert empty_values.shape == (0, 4) and empty_found.shape == (0,)
 
 
+def _manifest(snapshot):
+    return json.loads((snapshot / "manifest.json").read_text())["content"]
+
+
+def _sign(snapshot, content):
+    (snapshot / "manifest.json").write_bytes(dumps_checked_json(content))
+
+
 def _edit_manifest(change):
+    """Change the manifest's content and re-sign it: the checks behind the checksum."""
     def edit(snapshot):
-        manifest = json.loads((snapshot / "manifest.json").read_text())
-        change(manifest)
-        (snapshot / "manifest.json").write_text(json.dumps(manifest))
+        content = _manifest(snapshot)
+        change(content)
+        _sign(snapshot, content)
     return edit
 
 
-def _edit_table_file(change):
+def _first_part(snapshot):
+    return snapshot / _manifest(snapshot)["tables"][0]["parts"][0]["file"]
+
+
+def _flip_byte(name_of):
     def edit(snapshot):
-        with np.load(snapshot / "table_000.npz") as data:
-            arrays = dict(data)
-        change(arrays)
-        np.savez(snapshot / "table_000.npz", **arrays)
+        path = name_of(snapshot)
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    return edit
+
+
+def _edit_part_column(column, change):
+    """Change one column of shard 0's part and record the new SHA-256 in a re-signed manifest:
+    a snapshot whose bytes are intact but whose content is wrong."""
+    def edit(snapshot):
+        content = _manifest(snapshot)
+        part = content["tables"][0]["parts"][0]
+        data = bytearray((snapshot / part["file"]).read_bytes())
+        name, dtype, shape, offset = next(e for e in part["layout"] if e[0] == column)
+        array = np.frombuffer(data, dtype=dtype, count=int(np.prod(shape)), offset=offset).copy()
+        change(array)
+        data[offset:offset + array.nbytes] = array.tobytes()
+        (snapshot / part["file"]).write_bytes(bytes(data))
+        part["sha256"] = hashlib.sha256(bytes(data)).hexdigest()
+        _sign(snapshot, content)
     return edit
 
 
@@ -506,41 +547,92 @@ def _write(name, content):
     return lambda snapshot: (snapshot / name).write_bytes(content)
 
 
-CORRUPTIONS = {
-    "manifest not json": (_write("manifest.json", b"{bad"), "not valid JSON"),
-    "manifest a list": (_write("manifest.json", b"[1, 2]"), "not a KnowledgeBank snapshot"),
-    "newer version": (_edit_manifest(lambda m: m.update(version=99)), "format version 99"),
-    "no num_shards": (_edit_manifest(lambda m: m.pop("num_shards")), "num_shards"),
-    "truncated npz": (lambda s: (s / "table_000.npz").write_bytes(
-        (s / "table_000.npz").read_bytes()[:200]), "table 'emb'.*not a readable npz"),
-    "missing npz": (lambda s: (s / "table_000.npz").unlink(), "'table_000.npz' is missing"),
-    "file outside": (_edit_manifest(lambda m: m["tables"][0].update(file="../x.npz")), "plain file"),
+MANIFEST, PART = "manifest.json", ".part"
+CORRUPTIONS = {  # name: (edit, file named in the error, message)
+    "manifest not json": (_write("manifest.json", b"{bad"), MANIFEST, "not valid JSON"),
+    "manifest byte flipped": (_flip_byte(lambda s: s / "manifest.json"), MANIFEST, "SHA-256|JSON"),
+    "manifest without checksum": (_write("manifest.json", b"[1, 2]"), MANIFEST, "checksummed"),
+    "manifest a list": (lambda s: _sign(s, [1, 2]), MANIFEST, "not a KnowledgeBank snapshot"),
+    "newer version": (_edit_manifest(lambda m: m.update(version=99)), MANIFEST, "format version 99"),
+    "no num_shards": (_edit_manifest(lambda m: m.pop("num_shards")), MANIFEST, "num_shards"),
+    "part byte flipped": (_flip_byte(_first_part), PART, "SHA-256 differs"),
+    "truncated part": (lambda s: _first_part(s).write_bytes(_first_part(s).read_bytes()[:200]),
+                       PART, "bytes, its manifest records"),
+    "missing part": (lambda s: _first_part(s).unlink(), PART, "part file is missing"),
+    "interrupted save": (lambda s: (s / "manifest.json").unlink(), MANIFEST, "incomplete snapshot"),
+    "file outside": (_edit_manifest(lambda m: m["tables"][0]["parts"][0].update(file="../x.part")),
+                     MANIFEST, "part file name"),
+    "part count": (_edit_manifest(lambda m: m["tables"][0]["parts"].pop()), MANIFEST,
+                   "one part per shard"),
     "unknown optimizer": (_edit_manifest(lambda m: m["tables"][0]["config"].update(optimizer="adam")),
-                          "bad table config.*optimizer"),
-    "no dim": (_edit_manifest(lambda m: m["tables"][0]["config"].pop("dim")), "bad table config"),
+                          MANIFEST, "bad table config.*optimizer"),
+    "no dim": (_edit_manifest(lambda m: m["tables"][0]["config"].pop("dim")), MANIFEST,
+               "bad table config"),
     "dim differs": (_edit_manifest(lambda m: m["tables"][0]["config"].update(dim=DIM + 1)),
-                    "column 'values' must be float32 of shape"),
-    "repeated table": (_edit_manifest(lambda m: m["tables"].append(m["tables"][0])), "repeat"),
-    "duplicate keys": (_edit_table_file(lambda a: a["keys"].__setitem__(slice(None), 5)), "distinct"),
-    "missing column": (_edit_table_file(lambda a: a.pop("version")), "columns"),
-    "wrong dtype": (_edit_table_file(lambda a: a.update(version=a["version"].astype(np.float64))),
-                    "column 'version' must be int64"),
-    "nan value": (_edit_table_file(lambda a: a["values"].__setitem__((0, 0), np.nan)), "NaN"),
-    "orphan pending": (_edit_table_file(lambda a: a["pending_keys"].__setitem__(0, 10**9)),
-                       "pending_keys"),
+                    MANIFEST, "layout entry"),
+    "repeated table": (_edit_manifest(lambda m: m["tables"].append(m["tables"][0])), MANIFEST,
+                       "repeat"),
 }
 
 
 @pytest.mark.parametrize("corruption", list(CORRUPTIONS))
-def test_load_rejects_corrupt_snapshot_naming_the_problem(tmp_path, corruption):
+def test_load_rejects_corrupt_snapshot_naming_the_file(tmp_path, corruption):
     kb = make_bank(num_shards=2)
     kb.lookup("emb", np.arange(1, 20), insert_missing=True)
     kb.apply_gradients("emb", [1, 2], np.ones((2, DIM)))
     kb.save(tmp_path / "snap")
-    edit, match = CORRUPTIONS[corruption]
+    edit, named, match = CORRUPTIONS[corruption]
     edit(tmp_path / "snap")
-    with pytest.raises(ValueError, match=match):
+    for num_shards in (None, 3):  # each shard its own part, and every part streamed
+        with pytest.raises(CorruptFileError, match=match) as caught:
+            KnowledgeBank.load(tmp_path / "snap", num_shards=num_shards)
+        assert caught.value.path.endswith(named)
+        assert isinstance(caught.value, ValueError)
+
+
+def test_load_rejects_pending_gradients_of_keys_without_a_row(tmp_path):
+    kb = make_bank(num_shards=2)
+    kb.lookup("emb", np.arange(1, 20), insert_missing=True)
+    kb.apply_gradients("emb", np.arange(1, 20), np.ones((19, DIM)))
+    kb.save(tmp_path / "snap")
+    _edit_part_column("pending_keys", lambda keys: keys.__setitem__(0, 10**9))(tmp_path / "snap")
+    with pytest.raises(ValueError, match="pending gradients of keys that have no row"):
         KnowledgeBank.load(tmp_path / "snap")
+
+
+def test_save_and_load_through_an_fsspec_url_and_into_other_shard_counts(bank_contents,
+                                                                        assert_same_contents):
+    kb = make_bank(num_shards=2, optimizer="adagrad", max_pending=100)
+    kb.create_feature_table("nbrs", {"ids": ("int64", 2), "w": ("float32", 2)})
+    keys = np.arange(1, 5000)
+    kb.apply_gradients("emb", keys, np.ones((len(keys), DIM)))
+    kb.lookup("emb", keys[::2])
+    kb.apply_gradients("emb", keys[:100], np.full((100, DIM), 2.0))
+    kb.update("nbrs", keys[:10], {"ids": np.ones((10, 2), int), "w": np.ones((10, 2))}, version=4)
+    url = f"memory://carlskit-test-{uuid.uuid4().hex}/snap"
+    kb.save(url)
+    expected = bank_contents(kb)
+    for num_shards in (1, 2, 5):
+        restored = KnowledgeBank.load(url, num_shards=num_shards)
+        assert_same_contents(expected, bank_contents(restored))
+        np.testing.assert_array_equal(restored.lookup("emb", keys)[0], kb.lookup("emb", keys)[0])
+    kb.save(url)  # over the earlier snapshot: its parts are replaced, nothing else is left
+    names = [p.rsplit("/", 1)[-1] for p in fsspec.filesystem("memory").ls(url[len("memory://"):],
+                                                                          detail=False)]
+    assert "manifest.json" in names and len(names) == 1 + 2 * 2  # 2 tables x 2 shards
+
+
+def test_rerouting_reads_parts_in_bounded_chunks(tmp_path, monkeypatch, bank_contents,
+                                                 assert_same_contents):
+    import carlskit.bank._snapshot as snapshot
+
+    monkeypatch.setattr(snapshot, "REROUTE_CHUNK_ROWS", 7)
+    monkeypatch.setattr("carlskit.bank._tables.REROUTE_CHUNK_ROWS", 7)
+    kb = make_bank(num_shards=3, max_pending=100)
+    kb.apply_gradients("emb", np.arange(1, 300), np.ones((299, DIM)))
+    kb.save(tmp_path / "snap")
+    restored = KnowledgeBank.load(tmp_path / "snap", num_shards=2)
+    assert_same_contents(bank_contents(kb), bank_contents(restored))
 
 
 def test_load_missing_snapshot_and_bad_shard_count(tmp_path):
@@ -567,6 +659,7 @@ def test_snapshot_manifest_is_strict_json_with_an_infinite_ttl(tmp_path):
     kb.save(tmp_path / "snap")
     json.loads((tmp_path / "snap" / "manifest.json").read_text(),
                parse_constant=lambda name: pytest.fail(f"non-standard JSON constant {name}"))
+    loads_checked_json((tmp_path / "snap" / "manifest.json").read_bytes())  # checksummed
     restored = KnowledgeBank.load(tmp_path / "snap")
     assert restored.tables["emb"]["pending_ttl_seconds"] == float("inf")
     assert restored.stats()["tables"]["emb"]["pending_gradients"] == 1
