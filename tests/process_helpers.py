@@ -33,3 +33,13 @@ def wait_until(condition, seconds: float = 60.0, every: float = 0.05) -> None:
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         time.sleep(every)
+
+
+def kill_worker(client, address: str) -> int:
+    """SIGKILL the process of the Dask worker at ``address`` (its nanny starts a new one); returns its PID."""
+    import os
+    import signal
+
+    pid = client.run(os.getpid, workers=[address])[address]
+    os.kill(pid, signal.SIGKILL)
+    return pid

@@ -43,6 +43,7 @@ from typing import Any
 from carlskit._checks import positive_float
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import is_worker_loss
+from carlskit.cluster._placement import NoWorkerError, Placement
 
 logger = logging.getLogger("carlskit.cluster")
 MAX_KEPT_ERRORS = 100
@@ -223,28 +224,49 @@ class LongRunningTasks:
         self._started_at: dict[str, float] = {}
         self._waiting: dict[str, str] = {}  # key -> reason, relaunched when its backoff allows
         self._backoff: dict[str, Backoff] = {}
+        self._allowed: dict[str, set[str]] = {}  # key -> the worker addresses its placement resolved to
+        self._live: set[str] | None = None
         self._stopping = False
         self._lock = threading.RLock()
         self._supervisor: threading.Thread | None = None
 
     def launch(self, key: str, fn: Callable, make_args: Callable[[], tuple], *,
-               workers: list[str] | None = None, resources: dict[str, float] | None = None) -> None:
+               workers: list[str] | None = None, placement: Placement | None = None) -> None:
         """Run ``fn(*make_args())`` as piece ``key`` (replacing a finished piece of that key).
 
-        ``workers`` are preferred (another worker is used when they are gone); ``resources`` are
-        required (Dask worker resources): a restarted piece keeps both.
+        ``placement`` (a :class:`carlskit.cluster.Placement`) restricts the piece to the live workers
+        it matches, resolved again at every relaunch (a restarted piece keeps its placement; when
+        none of its workers is alive it is relaunched among those that are). Without one, pieces
+        stay off accelerator workers when there are others. ``workers`` are preferred, not required.
         """
         with self._lock:
-            self._specs[key] = (fn, make_args, {"workers": workers, "resources": resources})
+            self._specs[key] = (fn, make_args, {"workers": workers, "placement": placement or Placement()})
             self._backoff[key] = Backoff(self.policy)
             self.gave_up.pop(key, None)
-            self._start(key)
+            try:
+                self._start(key)
+            except NoWorkerError as error:  # its workers are not up yet: retried like any failure
+                self.record_error(f"{self.piece} {key} launch", error)
+                self._backoff[key].failure()
+                self._waiting[key] = f"{type(error).__name__}: {error}"
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name=f"{self.name}-supervisor", daemon=True)
             self._supervisor.start()
 
     def _start(self, key: str) -> None:
         fn, make_args, options = self._specs[key]
+        if self.client is not None:  # resolve the placement first: no arguments built for nothing
+            preferred, placement = options["workers"], options["placement"]
+            allowed = placement.candidates(self.client)
+            if not allowed:
+                raise NoWorkerError(f"no live worker matches {self.piece} {key}'s placement ({placement})")
+            everyone = set(self._live_workers(refresh=True))
+            if placement.restricted or set(allowed) != everyone:
+                restriction = dict(workers=allowed, allow_other_workers=False)
+                self._allowed[key] = set(allowed)
+            else:
+                restriction = dict(workers=preferred, allow_other_workers=bool(preferred))
+                self._allowed.pop(key, None)
         arguments = make_args()
         self._waiting.pop(key, None)
         self._started_at[key] = time.monotonic()
@@ -261,10 +283,14 @@ class LongRunningTasks:
             thread.start()
             self._running[key] = (thread, outcome)
         else:
-            workers = options["workers"]
             self._running[key] = self.client.submit(
-                fn, *arguments, pure=False, workers=workers, allow_other_workers=bool(workers),
-                resources=options["resources"], key=f"{self.name}-{key}-{uuid.uuid4().hex[:8]}")
+                fn, *arguments, pure=False, **restriction, key=f"{self.name}-{key}-{uuid.uuid4().hex[:8]}")
+
+    def _live_workers(self, refresh: bool = False) -> set[str]:
+        """Addresses of the scheduler's workers, fetched at most once per poll."""
+        if refresh or self._live is None:
+            self._live = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        return self._live
 
     def _finished(self, key: str) -> tuple[bool, BaseException | None, str]:
         """``(done, error, traceback)``; a piece that ended unasked or was cancelled has an error."""
@@ -278,6 +304,11 @@ class LongRunningTasks:
                 error = PieceEndedError(f"{self.piece} {key} returned {outcome.get('value')!r} without being stopped")
             return True, error, outcome.get("traceback", "")
         if not running.done():
+            allowed = self._allowed.get(key)
+            if allowed is not None and not allowed & self._live_workers():
+                # Dask would wait for one of these workers forever: place it again among the live ones.
+                running.cancel()
+                return True, NoWorkerError(f"every worker {self.piece} {key} was placed on is gone"), ""
             return False, None, ""
         if running.status == "cancelled":  # exception() of a cancelled future is None: say why
             from distributed.client import FutureCancelledError
@@ -333,6 +364,7 @@ class LongRunningTasks:
         with self._lock:
             if self._stopping:
                 return relaunched
+            self._live = None  # the workers alive now, fetched on first use in this poll
             self._hold_reason = held
             now = time.monotonic()
             for key in list(self._running):
@@ -408,7 +440,15 @@ class LongRunningTasks:
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Per piece: ``state`` (running, restarting, waiting (for a service ``hold`` names), gave up,
-        stopped), failures in its streak, seconds of restart budget left, and the last reason it failed."""
+        stopped), failures in its streak, seconds of restart budget left, the last reason it failed,
+        its placement, and the worker running it (with a client)."""
+        where: dict[str, str] = {}
+        if self.client is not None:
+            try:
+                for address, keys in self.client.processing().items():
+                    where.update({task_key: address for task_key in keys})
+            except Exception:  # the scheduler is gone: the states below still say what we know
+                pass
         with self._lock:
             report = {}
             for key in self._specs:
@@ -423,8 +463,11 @@ class LongRunningTasks:
                     state, reason = "running", None
                 else:
                     state, reason = "stopped", None
+                running = self._running.get(key)
+                worker = where.get(getattr(running, "key", None)) if self.client is not None else "this process"
                 report[key] = {"state": state, "failures": backoff.failures,
-                               "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": reason}
+                               "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": reason,
+                               "placement": str(self._specs[key][2]["placement"]), "worker": worker}
             return report
 
     def stop(self, stop_flag: Any, timeout: float = 30.0) -> None:

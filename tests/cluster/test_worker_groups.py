@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 import carlskit
-from carlskit.cluster import WorkerGroup
+from carlskit.cluster import Placement, WorkerGroup
 from carlskit.cluster._environment import WorkerFacts, choose_platform, environment_for
+from carlskit.cluster._supervised import LongRunningTasks, RestartPolicy, stop_flag
+from process_helpers import kill_worker, wait_until
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -81,3 +84,47 @@ def test_worker_groups_cannot_be_combined_with_a_remote_or_in_process_cluster():
     with pytest.raises(ValueError, match="worker_groups"):
         carlskit.connect(processes=False, worker_groups={"a": {}})
     assert WorkerGroup(resources={"maker": 1}).resources == {"maker": 1}
+
+
+def report_pid_until_stopped(path, flag):
+    from carlskit.cluster._supervised import secede_if_on_worker
+
+    secede_if_on_worker()
+    while not flag.is_set():
+        path.write_text(str(os.getpid()))
+        time.sleep(0.05)
+
+
+def test_placed_pieces_run_in_their_group_and_a_killed_one_restarts_inside_it(tmp_path):
+    client = carlskit.connect(worker_groups={
+        "accelerator": {"n_workers": 1, "resources": {"accelerator": 1}},
+        "makers": {"n_workers": 1, "resources": {"maker": 1}},
+    })
+    flag = stop_flag(client, "placement-test")
+    tasks = LongRunningTasks(client, "placed", piece="slice", poll_seconds=0.1,
+                             policy=RestartPolicy(budget_seconds=120, initial_delay_seconds=0.2, max_delay_seconds=1.0))
+    try:
+        report = carlskit.devices(client)
+        maker_pid = report.group("makers")[0]["pid"]
+        accelerator_pid = report.group("accelerator")[0]["pid"]
+        placed, default = tmp_path / "placed", tmp_path / "default"
+        tasks.launch("placed", report_pid_until_stopped, lambda: (placed, flag),
+                     placement=Placement.of(resources={"maker": 1}))
+        tasks.launch("default", report_pid_until_stopped, lambda: (default, flag))
+        wait_until(lambda: placed.exists() and default.exists(), seconds=60)
+        assert int(placed.read_text()) == maker_pid
+        assert int(default.read_text()) == maker_pid, "by default nothing lands on an accelerator worker"
+        status = tasks.status()
+        assert status["placed"]["placement"] == "resources={'maker': 1}"
+        assert status["placed"]["worker"] == report.group("makers")[0]["process"]
+
+        kill_worker(client, report.group("makers")[0]["process"])
+        killed_at = time.monotonic()
+        wait_until(lambda: int(placed.read_text()) not in (maker_pid, accelerator_pid), seconds=120)
+        print(f"placed piece back on its group's new worker after {time.monotonic() - killed_at:.1f} s")
+        new_maker = carlskit.devices(client).group("makers")[0]
+        assert int(placed.read_text()) == new_maker["pid"], "restarted inside its group, never elsewhere"
+        assert tasks.status()["placed"]["placement"] == "resources={'maker': 1}"
+    finally:
+        tasks.stop(flag, timeout=20)
+        client.close()

@@ -1,0 +1,115 @@
+"""Where a service runs: worker addresses or names, and Dask resources used as labels.
+
+CARLS runs its trainer on an accelerator and its makers and bank shards on CPU machines (CARLS
+sections 1 and 3). A :class:`Placement` says which workers a service may use; every service
+(maker slices, bank shards, summary aggregators, ES workers, the learner and its gradient store,
+evaluation workers) takes one through ``workers=`` / ``resources=`` arguments and keeps it across
+restarts: a service rebuilt after a lost worker is placed by the same rule among the live workers.
+
+Resources are *labels* here: a worker started with ``--resources "maker=1"`` may hold any number of
+maker slices. (Passed to Dask as task resources, a long-running task would hold its unit for as long
+as it runs, and a second slice would wait forever.) So carlskit resolves a placement to the
+addresses of the live workers that match it and restricts each task or actor to those.
+
+The default placement keeps services off accelerator workers (those offering a ``GPU``, ``TPU``
+or ``accelerator`` resource) unless every worker is one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from carlskit._errors import WorkerLostError
+from carlskit.cluster._environment import ACCELERATOR_RESOURCES
+
+
+class NoWorkerError(WorkerLostError):
+    """No live worker matches a service's placement (yet): retried under its restart policy."""
+
+
+def _is_accelerator(resources: Mapping[str, float]) -> bool:
+    return any(name.lower() in ACCELERATOR_RESOURCES and amount > 0 for name, amount in resources.items())
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """The workers a service may run on.
+
+    Args:
+      workers: worker addresses (``"tcp://10.0.0.5:40123"``) or names (``"makers-0"``); ``None``
+        for any worker.
+      resources: Dask resources a worker must offer, e.g. ``{"maker": 1}`` (at least that amount
+        of each); ``None`` for none. Without either, accelerator workers are left out unless every
+        worker is one.
+    """
+
+    workers: tuple[str, ...] | None = None
+    resources: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.workers is not None:
+            if isinstance(self.workers, str) or not isinstance(self.workers, Iterable):
+                raise TypeError(f"workers must be a list of worker addresses or names, got {self.workers!r}")
+            workers = tuple(self.workers)
+            if not workers or not all(isinstance(worker, str) and worker for worker in workers):
+                raise ValueError(f"workers must be a non-empty list of worker addresses or names, got {self.workers!r}")
+            object.__setattr__(self, "workers", workers)
+        if self.resources is not None:
+            if not isinstance(self.resources, Mapping):
+                raise TypeError(f"resources must be a dict of resource name -> amount, got {self.resources!r}")
+            for name, amount in self.resources.items():
+                if not isinstance(name, str) or not name:
+                    raise TypeError(f"resources names must be non-empty str, got {name!r}")
+                if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or not amount > 0:
+                    raise ValueError(f"resources[{name!r}] must be a number > 0, got {amount!r}")
+            object.__setattr__(self, "resources", dict(self.resources))
+
+    @classmethod
+    def of(cls, workers: Iterable[str] | str | None = None,
+           resources: Mapping[str, float] | None = None) -> Placement:
+        """A placement from a service's ``workers=`` and ``resources=`` arguments (one address may be a str)."""
+        if isinstance(workers, str):
+            workers = (workers,)
+        return cls(workers, resources)
+
+    @property
+    def restricted(self) -> bool:
+        return self.workers is not None or bool(self.resources)
+
+    def matches(self, address: str, info: Mapping[str, Any]) -> bool:
+        """Whether a worker (its address and ``scheduler_info`` entry) satisfies this placement."""
+        if self.workers is not None and address not in self.workers and info.get("name") not in self.workers:
+            return False
+        offered = info.get("resources") or {}
+        return all(offered.get(name, 0) >= amount for name, amount in (self.resources or {}).items())
+
+    def candidates(self, client: Any) -> list[str]:
+        """Addresses of the live workers this placement allows, sorted (stable round robin)."""
+        workers = client.scheduler_info(n_workers=-1)["workers"]
+        chosen = sorted(address for address, info in workers.items() if self.matches(address, info))
+        if self.restricted:
+            return chosen
+        general = [address for address in chosen if not _is_accelerator(workers[address].get("resources") or {})]
+        return general or chosen
+
+    def choose(self, client: Any, index: int = 0, exclude: Iterable[str] = ()) -> str:
+        """The ``index``-th candidate (round robin), avoiding ``exclude`` when another is live.
+
+        Raises :class:`NoWorkerError` when no live worker matches.
+        """
+        candidates = self.candidates(client)
+        preferred = [address for address in candidates if address not in set(exclude)] or candidates
+        if not preferred:
+            raise NoWorkerError(f"no live worker matches the placement {self}")
+        return preferred[index % len(preferred)]
+
+    def __str__(self) -> str:
+        parts = []
+        if self.workers is not None:
+            parts.append(f"workers={list(self.workers)}")
+        if self.resources:
+            parts.append(f"resources={self.resources}")
+        return ", ".join(parts) or "any non-accelerator worker"
