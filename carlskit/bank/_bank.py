@@ -37,6 +37,7 @@ import numpy as np
 
 from carlskit._errors import WorkerLostError
 from carlskit.cluster._loss import actor_lost, is_worker_loss
+from carlskit.cluster._placement import Placement
 
 from ._direct import DirectCall, DirectPath, DirectPathLost, DirectRequestLost
 from ._hashing import key_from_string, shard_of
@@ -367,16 +368,25 @@ class KnowledgeBank:
       clock: seconds-returning callable used for write times and ttl flushes (default
         ``time.time``); a deterministic clock makes ttl tests exact.
       direct: use the direct data path when the cluster allows it (False: Dask actor RPC only).
+      workers, resources: where the shards may live (:class:`carlskit.cluster.Placement`: worker
+        addresses or names, and/or Dask resources the worker must offer, e.g. ``{"bank": 1}``);
+        shard i goes to the i-th matching worker (round robin), and a shard rebuilt by
+        :meth:`recover` stays within the same placement. By default shards stay off accelerator
+        workers when there are others.
     """
 
     def __init__(self, client: Any = None, num_shards: int = 1, *,
-                 clock: Callable[[], float] | None = None, direct: bool = True) -> None:
+                 clock: Callable[[], float] | None = None, direct: bool = True,
+                 workers: list[str] | str | None = None, resources: dict[str, float] | None = None) -> None:
         num_shards = _as_int(num_shards, "num_shards", minimum=1)
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
         if clock is not None and not callable(clock):
             raise TypeError(f"clock must be a callable returning seconds, "
                             f"got {type(clock).__name__}")
+        self._placement = Placement.of(workers, resources)
+        if client is None and self._placement.restricted:
+            raise ValueError("workers/resources place shards on a Dask cluster: pass a client too")
         self._client = client
         self._remote = client is not None
         self._clock = clock
@@ -388,9 +398,9 @@ class KnowledgeBank:
         if client is None:
             self._shards: list[Any] = [_Shard(i, num_shards, clock) for i in range(num_shards)]
         else:
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            workers = self._placement.candidates(client)
             if not workers:
-                raise ValueError("client has no workers to host the bank's shards")
+                raise ValueError(f"client has no workers to host the bank's shards (placement: {self._placement})")
             self._shard_workers = [workers[i % len(workers)] for i in range(num_shards)]
             self._shard_futures = [
                 client.submit(_Shard, i, num_shards, clock, worker_process=True, actor=True,
@@ -896,7 +906,8 @@ class KnowledgeBank:
 
     @classmethod
     def load(cls, path: str | os.PathLike, client: Any = None, num_shards: int | None = None, *,
-             clock: Callable[[], float] | None = None) -> "KnowledgeBank":
+             clock: Callable[[], float] | None = None, workers: list[str] | str | None = None,
+             resources: dict[str, float] | None = None) -> "KnowledgeBank":
         """Restore a snapshot into ``num_shards`` shards (default: as saved), in-process or on
         ``client``'s workers: values, versions, write times, lookup counts, optimizer state and
         pending gradients exactly as saved. Each shard reads its own part (same shard count) or
@@ -904,13 +915,14 @@ class KnowledgeBank:
         passes through this process. The manifest and every part's size are checked before any
         shard is built, every part's bytes against its SHA-256 while it is read: any damage raises
         :class:`carlskit.CorruptFileError` naming the file (an interrupted save too; a
-        ValueError), and no bank is returned. FileNotFoundError when there is no snapshot."""
+        ValueError), and no bank is returned. FileNotFoundError when there is no snapshot.
+        ``workers``/``resources`` place the shards as for the constructor."""
         location = Location(path)
         manifest = read_manifest(location)
         if num_shards is not None:
             num_shards = _as_int(num_shards, "num_shards", minimum=1)
         bank = cls(client, manifest["num_shards"] if num_shards is None else num_shards,
-                   clock=clock)
+                   clock=clock, workers=workers, resources=resources)
         try:
             for entry in manifest["tables"]:
                 bank._create(entry["name"], entry["config"])
@@ -1112,12 +1124,12 @@ class KnowledgeBank:
         return report
 
     def _pick_worker(self, lost: list[int]) -> str:
-        """A live worker for a rebuilt shard: the one holding the fewest live shards."""
-        workers = sorted(self._client.scheduler_info(n_workers=-1)["workers"])
+        """A live worker of the bank's placement for a rebuilt shard: the one holding the fewest live shards."""
+        workers = self._placement.candidates(self._client)
         dead = {self._shard_workers[i] for i in lost}
         candidates = [w for w in workers if w not in dead]
         if not candidates:
-            raise ShardLostError(f"no live worker to rebuild shards {lost} on")
+            raise ShardLostError(f"no live worker to rebuild shards {lost} on (placement: {self._placement})")
         load = {w: sum(1 for i, sw in enumerate(self._shard_workers) if sw == w and i not in lost)
                 for w in candidates}
         return min(candidates, key=lambda w: (load[w], w))
@@ -1239,4 +1251,5 @@ def _bank_from_actors(actors: list[Any], workers: list[str | None],
     bank._shard_futures = []
     bank._shard_workers = list(workers)
     bank._shards = list(actors)
+    bank._placement = Placement()
     return bank

@@ -45,6 +45,7 @@ import numpy as np
 from carlskit._errors import CorruptFileError, ServiceGaveUpError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json, unflatten_into
 from carlskit.cluster._loss import is_worker_loss
+from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import Backoff, RestartPolicy
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.lopt._checks import integer, positive_float, positive_int
@@ -163,11 +164,14 @@ class EvaluationChief:
       on_result: called with ``(version, {task_set: {split: curve}})`` when a checkpoint is done.
       restart_policy: how long jobs lost with their workers are retried (a :class:`RestartPolicy`
         or a budget in seconds; default 10 minutes).
+      placement: the workers jobs may run on (:class:`carlskit.cluster.Placement`), resolved to the
+        live ones at every submission; a job whose allowed workers are all gone is cancelled and
+        retried (a lost job). Default: off accelerator workers when there are others.
     """
 
     def __init__(self, rule: Any, checkpoint_path: str, eval_dir: str | os.PathLike, task_sets: list[EvalTaskSet],
                  *, client: Any = None, eval_workers: int = 1, time_scale: float = 1.0, logdir: str | None = None,
-                 on_result: Callable[[int, dict], None] | None = None, workers: list[str] | None = None,
+                 on_result: Callable[[int, dict], None] | None = None, placement: Placement | None = None,
                  restart_policy: RestartPolicy | float | None = None) -> None:
         if not task_sets or not all(isinstance(s, EvalTaskSet) for s in task_sets):
             raise TypeError("task_sets must be a non-empty list of EvalTaskSet")
@@ -177,7 +181,9 @@ class EvaluationChief:
         time_scale = positive_float(time_scale, "time_scale")
         policy = restart_policy_of(restart_policy, "restart_policy")
         self.rule, self.task_sets, self.client = rule, list(task_sets), client
-        self.eval_workers, self.time_scale, self.on_result, self.workers = eval_workers, time_scale, on_result, workers
+        self.eval_workers, self.time_scale, self.on_result = eval_workers, time_scale, on_result
+        self.placement = placement if placement is not None else Placement()
+        self._allowed: dict[Any, set[str]] = {}  # job key -> the workers it may run on
         self.checkpoints = CheckpointStore(checkpoint_path, keep=None)
         self.eval_dir = pathlib.Path(eval_dir)
         self.eval_dir.mkdir(parents=True, exist_ok=True)
@@ -311,12 +317,32 @@ class EvaluationChief:
             if self.client is None:
                 job = self._pool.submit(evaluate_job, *arguments)
             else:
-                job = self.client.submit(evaluate_job, *arguments, pure=False, workers=self.workers,
-                                         allow_other_workers=bool(self.workers))
+                allowed = self.placement.candidates(self.client)
+                if not allowed:  # none of its workers is up (yet): try again at the next poll
+                    self._queue.insert(0, (version, set_name, index))
+                    return
+                job = self.client.submit(evaluate_job, *arguments, pure=False, workers=allowed,
+                                         allow_other_workers=False)
+                self._allowed[job.key] = set(allowed)
             self._in_flight[version][(set_name, index)] = job
             running += 1
 
+    def _cancel_orphans(self) -> None:
+        """Cancel jobs whose allowed workers are all gone (Dask would wait for them forever)."""
+        if self.client is None or not self._allowed:
+            return
+        live = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        for jobs in self._in_flight.values():
+            for job in jobs.values():
+                allowed = self._allowed.get(job.key)
+                if allowed is not None and not job.done() and not allowed & live:
+                    job.cancel()  # a cancelled job counts as lost with its worker (by type)
+        in_flight = {job.key for jobs in self._in_flight.values() for job in jobs.values()}
+        for key in [key for key in self._allowed if key not in in_flight]:
+            del self._allowed[key]
+
     def _collect(self) -> list[int]:
+        self._cancel_orphans()
         completed = []
         for version in sorted(self._in_flight):
             jobs = self._in_flight[version]

@@ -44,6 +44,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ import optax
 
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import actor_lost, is_worker_loss
+from carlskit.cluster._placement import NoWorkerError, Placement
 from carlskit.cluster._supervised import MAX_KEPT_ERRORS, Backoff, LongRunningTasks, RestartPolicy, stop_flag
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
@@ -66,6 +68,34 @@ logger = logging.getLogger("carlskit.lopt.meta_training")
 SERVICE_START_SECONDS = 120.0  # a learner's construction (JAX import, checkpoint load) on a fresh worker
 UPDATE_TIMEOUT_SECONDS = 60.0
 STATUS_TIMEOUT_SECONDS = 10.0  # status() is polled by widgets: never blocks them for long
+
+
+SERVICE_ROLES = ("learner", "es_workers", "eval_workers")
+
+
+def service_placements(workers: list[str] | str | None, resources: Mapping[str, float] | None,
+                       placement: Mapping[str, Placement | Mapping[str, Any]] | None) -> dict[str, Placement]:
+    """One :class:`Placement` per role: ``placement[role]`` if given, else ``workers``/``resources``."""
+    default = Placement.of(workers, resources)
+    placements = {role: default for role in SERVICE_ROLES}
+    if placement is None:
+        return placements
+    if not isinstance(placement, Mapping):
+        raise TypeError(f"placement must be a dict of role -> Placement or dict, got {type(placement).__name__}")
+    unknown = sorted(set(placement) - set(SERVICE_ROLES))
+    if unknown:
+        raise ValueError(f"placement has unknown roles {unknown}; roles: {list(SERVICE_ROLES)}")
+    for role, value in placement.items():
+        if isinstance(value, Placement):
+            placements[role] = value
+        elif isinstance(value, Mapping):
+            extra = sorted(set(value) - {"workers", "resources"})
+            if extra:
+                raise ValueError(f"placement[{role!r}] has unknown keys {extra}; keys: ['workers', 'resources']")
+            placements[role] = Placement.of(value.get("workers"), value.get("resources"))
+        else:
+            raise TypeError(f"placement[{role!r}] must be a Placement or a dict, got {type(value).__name__}")
+    return placements
 
 
 class MetaTraining:
@@ -91,6 +121,11 @@ class MetaTraining:
       restart_policy: how every service (learner and store, ES workers, evaluation workers) is
         restarted: a :class:`carlskit.cluster.RestartPolicy` or a budget in seconds (default: keep
         trying for 10 minutes, with exponential backoff up to 15 s apart).
+      workers, resources: where every service may run (:class:`carlskit.cluster.Placement`); kept
+        when a service is rebuilt. ``placement={"learner": ..., "es_workers": ...,
+        "eval_workers": ...}`` places a role on its own (a ``Placement`` or a dict with ``workers``
+        and/or ``resources``); the gradient store lives beside the learner. Default: off
+        accelerator workers when there are others.
     """
 
     def __init__(self, lopt: LearnedOptimizer, task_family: TaskFamily | Task, client: Any = None, *,
@@ -101,7 +136,9 @@ class MetaTraining:
                  ood_tasks: tuple[Task, ...] = (), eval_num_steps: int | None = None,
                  max_gradients_per_update: int = 64, put_every: int = 1, seed: int = 0,
                  evaluate: bool = True, summaries: bool = True,
-                 restart_policy: RestartPolicy | float | None = None) -> None:
+                 restart_policy: RestartPolicy | float | None = None,
+                 workers: list[str] | str | None = None, resources: dict[str, float] | None = None,
+                 placement: Mapping[str, Placement | Mapping[str, Any]] | None = None) -> None:
         from carlskit.lopt._optimizer import _SingleTaskFamily
 
         if not isinstance(lopt, LearnedOptimizer):
@@ -115,6 +152,9 @@ class MetaTraining:
         integer(max_staleness, "max_staleness", 0)  # here, not only when start() builds the learner
         positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
         self.restart_policy = restart_policy_of(restart_policy, "restart_policy")
+        self.placement = service_placements(workers, resources, placement)
+        if client is None and any(p.restricted for p in self.placement.values()):
+            raise ValueError("workers/resources/placement place services on a Dask cluster: pass a client too")
         self.lopt, self.family, self.client = lopt, family, client
         self.directory = pathlib.Path(directory)
         self.checkpoint_path = str(self.directory / "checkpoints")
@@ -176,11 +216,11 @@ class MetaTraining:
         for future in self._actor_futures:
             future.release()
         self._actor_futures = []
-        workers = self._workers()
-        if not workers:
-            raise RuntimeError("no live worker to run the learner on")  # retried under the backoff
+        workers = self.placement["learner"].candidates(self.client)
+        if not workers:  # retried under the backoff
+            raise NoWorkerError(f"no live worker to run the learner on (placement: {self.placement['learner']})")
         self._service_worker = workers[0]
-        placement = dict(workers=[self._service_worker], allow_other_workers=True, pure=False)
+        placement = dict(workers=[self._service_worker], allow_other_workers=False, pure=False)
         store_future = self.client.submit(GradientStore, actor=True, key=f"gradient-store-{uuid.uuid4().hex[:8]}",
                                           **placement)
         self._actor_futures = [store_future]
@@ -218,7 +258,7 @@ class MetaTraining:
         """ES worker ``index`` prefers the ``index``-th worker other than the learner's (round robin)."""
         if self.client is None:
             return None
-        others = [w for w in self._workers() if w != self._service_worker]
+        others = [w for w in self.placement["es_workers"].candidates(self.client) if w != self._service_worker]
         return [others[index % len(others)]] if others else None
 
     def _worker_args(self, index: int):
@@ -241,13 +281,14 @@ class MetaTraining:
             self.chief = EvaluationChief(
                 self.lopt.rule, self.checkpoint_path, self.eval_dir, self.eval_task_sets, client=self.client,
                 eval_workers=self.eval_workers, time_scale=self.worker_config.num_steps / self.eval_task_sets[0].num_steps,
-                logdir=self.logdir, on_result=self._on_eval_result, restart_policy=self.restart_policy)
+                logdir=self.logdir, on_result=self._on_eval_result, restart_policy=self.restart_policy,
+                placement=self.placement["eval_workers"])
             self.eval_results.update(self.chief.results())
         self._tasks = LongRunningTasks(self.client, f"es-worker-{self._topic[-8:]}", piece="worker",
                                        on_poll=self._poll_chief, policy=self.restart_policy, hold=self._learner_down)
         for index in range(self.num_workers):
             self._tasks.launch(str(index), run_es_worker, self._worker_args(index),
-                               workers=self._es_worker_placement(index))
+                               workers=self._es_worker_placement(index), placement=self.placement["es_workers"])
         self._driving.set()
         self._driver = threading.Thread(target=self._drive_learner, name="meta-training-learner", daemon=True)
         self._driver.start()

@@ -35,6 +35,7 @@ import numpy as np
 from carlskit import _checks
 from carlskit._errors import ServiceGaveUpError, WorkerLostError
 from carlskit.cluster._loss import actor_lost, is_worker_loss
+from carlskit.cluster._placement import NoWorkerError, Placement
 from carlskit.cluster._supervised import Backoff, RestartPolicy, restart_policy
 from carlskit.summaries import _format
 from carlskit.summaries._files import Batch, SummaryFiles, new_origin
@@ -213,6 +214,9 @@ class SummaryWriter:
       block_seconds: longest a logging call waits for room (``None``: until room or give-up).
       restart_policy: :class:`carlskit.cluster.RestartPolicy` (or a budget in seconds) for
         recreating lost aggregators; default 10 minutes of retries.
+      workers, resources: where the aggregators may run (:class:`carlskit.cluster.Placement`);
+        kept when a lost aggregator is recreated. By default, off accelerator workers when there
+        are others.
     """
 
     def __init__(
@@ -227,6 +231,8 @@ class SummaryWriter:
         max_pending: int = 1_000_000,
         block_seconds: float | None = None,
         restart_policy: RestartPolicy | float | None = None,
+        workers: list[str] | str | None = None,
+        resources: dict[str, float] | None = None,
         _aggregators: list | None = None,
     ):
         if not isinstance(logdir, (str, os.PathLike)):
@@ -237,6 +243,9 @@ class SummaryWriter:
         self.block_seconds = None if block_seconds is None else _checks.finite_float(
             block_seconds, "block_seconds", minimum=0.0)
         self.restart_policy = _restart_policy(restart_policy)
+        self.placement = Placement.of(workers, resources)
+        if client is None and _aggregators is None and self.placement.restricted:
+            raise ValueError("workers/resources place aggregators on a Dask cluster: pass a client too")
         if n_shards is not None:
             n_shards = _checks.integer(n_shards, "n_shards", 1, MAX_SHARDS)
         self.logdir = Path(logdir)
@@ -276,15 +285,16 @@ class SummaryWriter:
 
     # -- aggregators ---------------------------------------------------------------------------
     def _start_aggregators(self, client, n_shards: int | None) -> list[_Shard]:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = self.placement.candidates(client)
+        if not workers:
+            raise ValueError(f"no worker matches the aggregators' placement ({self.placement})")
         if n_shards is None:
             n_shards = min(max(1, len(workers)), MAX_SHARDS)
         logdir = str(self.logdir.resolve())
         futures = [
             client.submit(
                 SummaryAggregator, logdir, shard, actor=True, pure=False,
-                workers=[workers[shard % len(workers)]] if workers else None,
-                allow_other_workers=True,
+                workers=[workers[shard % len(workers)]], allow_other_workers=False,
             )
             for shard in range(n_shards)
         ]
@@ -303,7 +313,7 @@ class SummaryWriter:
         aggregators = self._aggregators or None
         return (_rebuild_writer, (str(self.logdir), aggregators, self.sample_rate,
                                   self.flush_every_seconds, self.max_pending, self.block_seconds,
-                                  self.restart_policy))
+                                  self.restart_policy, self.placement))
 
     def _start_flush_thread(self) -> None:
         """Start the background flush in a copy of the caller's context: inside a Dask task that
@@ -684,14 +694,14 @@ class SummaryWriter:
         try:
             client = self._restart_client()
             lost = getattr(shard.actor, "_address", None)
-            workers = sorted(set(client.scheduler_info(n_workers=-1)["workers"]) - {lost})
+            workers = sorted(set(self.placement.candidates(client)) - {lost})
             if not workers:
-                raise RuntimeError("no live worker to recreate the aggregator on")
+                raise NoWorkerError(f"no live worker to recreate the aggregator on (placement: {self.placement})")
             load = collections.Counter(getattr(other.actor, "_address", None) for other in self._shards)
             worker = min(workers, key=lambda address: (load[address], address))
             shard.creating = client.submit(
                 SummaryAggregator, str(self.logdir.resolve()), shard.index, actor=True, pure=False,
-                workers=[worker], allow_other_workers=True)
+                workers=[worker], allow_other_workers=False)
         except Exception as error:
             self._failed(shard, error, [])
 
@@ -820,8 +830,10 @@ def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> Non
 
 
 def _rebuild_writer(logdir, aggregators, sample_rate, flush_every_seconds, max_pending,
-                    block_seconds=None, policy=None):
+                    block_seconds=None, policy=None, placement=None):
+    placement = placement or Placement()
     return SummaryWriter(logdir, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds,
                          seed=None, max_pending=max_pending, block_seconds=block_seconds,
-                         restart_policy=policy, _aggregators=aggregators)
+                         restart_policy=policy, workers=placement.workers, resources=placement.resources,
+                         _aggregators=aggregators)
 
