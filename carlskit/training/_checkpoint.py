@@ -20,6 +20,7 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -124,6 +125,11 @@ class CheckpointStore:
             reason = str(error)
         self._remember(version, digest, reason)
         return reason
+
+    def _known_damaged(self, version: int) -> bool:
+        with self._lock:
+            known = self._checked.get(version)
+        return known is not None and known[1] is not None and known[0] == sha256_hex(self._read(version, "json"))
 
     def corrupt_versions(self) -> dict[int, str]:
         """``{version: reason}`` of the published versions found damaged so far (by any read)."""
@@ -285,22 +291,24 @@ class CheckpointStore:
         extra = {"version": version, "wall_time": manifest["wall_time"]}
         return tree, {**manifest["metadata"], **extra, "key_impls": key_impls}
 
-    def load_latest(self, *, target: Any = None, newer_than: int | None = None) -> tuple[int, Any, dict] | None:
+    def load_latest(self, *, target: Any = None, newer_than: int | None = None,
+                    on_skip: Callable[[int, str], None] | None = None) -> tuple[int, Any, dict] | None:
         """``(version, tree, metadata)`` of the newest intact version (newer than ``newer_than``), or
-        ``None`` when there is none. Damaged versions are skipped (see :meth:`corrupt_versions`),
-        each read once; a version pruned while it was read is skipped too."""
+        ``None`` when there is none. Damaged versions are skipped (see :meth:`corrupt_versions`) and
+        read once per manifest content: ``on_skip(version, reason)`` is called when one is found
+        damaged. A version pruned while it was read is skipped too."""
         for version in reversed(self.versions()):
             if newer_than is not None and version <= newer_than:
                 return None
-            with self._lock:
-                known = self._checked.get(version)
             try:
-                if known is not None and known[1] is not None and self.verify(version) is not None:
-                    continue  # known damaged, manifest unchanged: not read again
+                if self._known_damaged(version):
+                    continue  # found damaged before and its manifest is unchanged: not read again
                 tree, metadata = self.load(version, target=target)
-            except CorruptFileError:
+            except CorruptFileError as error:
+                if on_skip is not None:
+                    on_skip(version, str(error))
                 continue
-            except FileNotFoundError:
+            except FileNotFoundError:  # pruned while we read it
                 continue
             return version, tree, metadata
         return None
