@@ -72,6 +72,7 @@ class CheckpointStore:
         # version -> (SHA-256 of its manifest's bytes, None if intact or the reason it is not);
         # only published versions are kept (bounded by the store's size).
         self._checked: dict[int, tuple[str, str | None]] = {}
+        self._forget_above = 64
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
@@ -140,10 +141,11 @@ class CheckpointStore:
     def _remember(self, version: int, digest: str, reason: str | None) -> None:
         with self._lock:
             self._checked[version] = (digest, reason)
-            if len(self._checked) > 2 * (self.keep or 0) + 64:  # forget versions no longer published
+            if len(self._checked) > self._forget_above:  # forget versions no longer published
                 published = set(self.versions())
                 for stale in [v for v in self._checked if v not in published]:
                     del self._checked[stale]
+                self._forget_above = 2 * len(self._checked) + 64  # amortized: one listing per doubling
 
     def save(self, tree: Any, *, version: int, metadata: dict | None = None, check_finite: bool = False) -> int:
         """Publish ``tree`` (any pytree of arrays) as ``version``; returns the version.
