@@ -337,7 +337,7 @@ class Maker:
 
     def status(self) -> dict:
         """Per slice: supervision ``state`` (running, restarting, gave up, stopped), ``version``,
-        ``lag`` (checkpoints published since), items/s, ``restarts``, ``worker``, ``skipped``
+        ``lag`` (intact checkpoints published since), items/s, ``restarts``, ``worker``, ``skipped``
         (damaged checkpoints: ``{version: reason}``), ``running_since`` (wall time its current run
         started); plus the maker's restarts and errors."""
         published = self._store.versions() if self._store is not None else []
@@ -352,7 +352,8 @@ class Maker:
                     "slice": index,
                     "state": watched.get("state", "not started"),
                     "version": version,
-                    "lag": len(published) if version is None else sum(v > version for v in published),
+                    # checkpoints published since, that it can still use (not those it found damaged)
+                    "lag": sum((version is None or v > version) and v not in state.skipped for v in published),
                     "items_per_s": None if message is None else message["items"] / max(message["seconds"], 1e-9),
                     "rounds": 0 if message is None else message["round"],
                     "restarts": max(self._launches[index] - 1, 0) + state.reruns,

@@ -159,6 +159,7 @@ def test_a_damaged_latest_checkpoint_is_skipped_with_its_reason_and_the_next_goo
         for state in status["slices"]:
             assert f"v000000000002.{suffix}: corrupt file" in state["skipped"][2]
             assert state["version"] == 1 and state["state"] == "running" and state["restarts"] == 0
+            assert state["lag"] == 0, "a damaged checkpoint is nothing to catch up with"
         assert status["errors"] == [] and status["gave_up"] == []
         skips = [e for e in maker.events() if e["event"] == "skipped"]
         assert len(skips) == 2, f"each slice read the damaged version once, not every poll: {skips}"
