@@ -29,6 +29,11 @@ _EXPORTS = {
     "MetaTraining": "carlskit.lopt",
     "SummaryWriter": "carlskit.summaries",
     "SummaryReader": "carlskit.summaries",
+    "RestartPolicy": "carlskit.cluster",
+    # exception types: from a module that imports neither JAX nor Dask
+    "CorruptFileError": "carlskit._errors",
+    "ServiceGaveUpError": "carlskit._errors",
+    "WorkerLostError": "carlskit._errors",
 }
 _SUBPACKAGES = ("bank", "cluster", "data", "lopt", "makers", "moe", "paradigms", "summaries", "training", "widgets")
 
@@ -36,8 +41,9 @@ __all__ = [*_EXPORTS, *_SUBPACKAGES]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit import widgets
+    from carlskit._errors import CorruptFileError, ServiceGaveUpError, WorkerLostError
     from carlskit.bank import KnowledgeBank
-    from carlskit.cluster import connect, devices
+    from carlskit.cluster import RestartPolicy, connect, devices
     from carlskit.lopt import LearnedOptimizer, MetaTraining
     from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker, NeighborMaker
     from carlskit.moe import MoEModel

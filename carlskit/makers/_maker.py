@@ -1,17 +1,31 @@
 """``Maker``: asynchronous knowledge makers (CARLS paper section 3.1).
 
 A maker loops until stopped: when the trainer has published a checkpoint newer than the one it
-used last, it loads it, recomputes knowledge for its slice of the items and writes it to the bank
-with the checkpoint's version. With a Dask client each slice runs as a long-running task on a
-worker (it secedes from the worker's thread pool, so it never blocks other tasks or actors); without
-one, slices run in threads of this process. A slice that raises is restarted; its error is kept in
-``maker.errors``, logged, and printed, never swallowed. A slice whose worker dies is rerun by Dask
-on another worker.
+used last, it loads the newest *intact* one, recomputes knowledge for its slice of the items and
+writes it to the bank with the checkpoint's version. With a Dask client each slice runs as a
+long-running task on a worker (it secedes from the worker's thread pool, so it never blocks other
+tasks or actors); without one, slices run in threads of this process.
+
+Failures (CARLS runs makers for hours beside a trainer, on workers that get preempted):
+
+- The maker's function travels inside each slice's task (never ``scatter``-ed: scattered data dies
+  with its worker and cannot be recomputed), so a slice whose worker dies is rerun by Dask on another
+  worker at once and loads the latest checkpoint: it catches up, skipping the versions published
+  meanwhile (a maker always takes the newest).
+- A slice that raises, or whose task is lost for good, is relaunched by the supervision layer
+  (:class:`carlskit.cluster.LongRunningTasks`) with exponential backoff under ``restart_policy``, a
+  budget in seconds; when it is spent the slice is given up: ``status()`` says ``"gave up"`` and
+  :meth:`Maker.check` / :meth:`Maker.wait_for_version` raise :class:`carlskit.ServiceGaveUpError`.
+- A damaged checkpoint (:class:`carlskit.CorruptFileError`) is skipped and its reason recorded in
+  ``status()``; the slice takes the newest intact version and reads the damaged one no more. It is
+  not a failure: it neither restarts the slice nor spends its budget.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -20,13 +34,22 @@ from typing import Any
 
 import numpy as np
 
-from carlskit.cluster._supervised import LongRunningTasks, secede_if_on_worker, stop_flag
-from carlskit.training._checkpoint import CheckpointStore, restore_model
 from carlskit._checks import positive_float, positive_int
+from carlskit._errors import ServiceGaveUpError
+from carlskit.cluster._supervised import restart_policy as as_restart_policy
+from carlskit.cluster._supervised import (
+    LongRunningTasks,
+    RestartPolicy,
+    secede_if_on_worker,
+    stop_flag,
+)
+from carlskit.training._checkpoint import CheckpointStore, restore_model
 
 logger = logging.getLogger("carlskit.makers")
 
 MakerFn = Callable[["MakerContext"], None]
+KEPT_EVENTS = 1000  # recent events a maker keeps for events(); status() keeps only each slice's latest
+KEPT_SKIPS = 20  # damaged versions remembered per slice in status()
 
 
 @dataclass
@@ -45,43 +68,84 @@ class MakerContext:
         restore_model(model, self.checkpoint, self.metadata, prefix)
 
 
+# Embedded (thread) mode: topic -> the running maker's event handler. Entries are removed when the
+# maker stops, so this holds one entry per running maker, not every message ever sent.
+_LOCAL_HANDLERS: dict[str, Callable[[tuple[float, dict]], None]] = {}
+
+
 def _report(topic: str, message: dict) -> None:
-    """Send a status message to the client (Dask event) or keep it in-process (threads)."""
+    """Send a status message to the client (Dask event) or to the maker in this process (threads)."""
     try:
         from distributed import get_worker
 
         get_worker().log_event(topic, message)
     except ValueError:  # not on a worker: embedded mode
-        _LOCAL_EVENTS.setdefault(topic, []).append((time.time(), message))
+        handler = _LOCAL_HANDLERS.get(topic)
+        if handler is not None:
+            handler((time.time(), message))
 
 
-_LOCAL_EVENTS: dict[str, list] = {}
+def _worker_address() -> str:
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return "local thread"
 
 
 def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path: str, bank: Any,
-                    stop: Any, topic: str, poll_seconds: float, max_rounds: int | None) -> int:
-    """The loop one slice runs (on a worker or a thread) until ``stop`` is set; returns rounds run."""
+                    stop: Any, topic: str, poll_seconds: float, max_rounds: int | None, launch: int = 0) -> int:
+    """The loop one slice runs (on a worker or a thread) until ``stop`` is set; returns rounds run.
+
+    ``launch`` numbers the supervisor's launches of this slice: a second ``started`` event with the
+    same number is Dask rerunning the task after its worker was lost.
+    """
     secede_if_on_worker()  # runs for as long as training does; in thread mode there is no slot to free
+    _report(topic, {"slice": slice_index, "event": "started", "launch": launch, "worker": _worker_address()})
     store = CheckpointStore(store_path, keep=None)
+
+    def skipped(version: int, reason: str) -> None:  # once per damaged version (and manifest content)
+        logger.warning("maker slice %d skips checkpoint version %d: %s", slice_index, version, reason)
+        _report(topic, {"slice": slice_index, "event": "skipped", "version": version, "reason": reason})
+
     current, rounds = None, 0
     while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
-        latest = store.latest()
-        if latest is None or latest == current:
+        start = time.perf_counter()
+        loaded = store.load_latest(newer_than=current, on_skip=skipped)
+        if loaded is None:
             time.sleep(poll_seconds)
             continue
-        start = time.perf_counter()
-        try:
-            checkpoint, metadata = store.load(latest)
-        except FileNotFoundError:  # pruned between latest() and load(): take the next one
-            continue
-        if fn(MakerContext(items, latest, checkpoint, metadata, bank, slice_index)) is False:
+        version, checkpoint, metadata = loaded
+        if fn(MakerContext(items, version, checkpoint, metadata, bank, slice_index)) is False:
             time.sleep(poll_seconds)  # its inputs are not in the bank yet: retry this version
             continue
         seconds = time.perf_counter() - start
-        current, rounds = latest, rounds + 1
-        _report(topic, {"slice": slice_index, "version": latest, "items": len(items),
+        current, rounds = version, rounds + 1
+        _report(topic, {"slice": slice_index, "event": "round", "version": version, "items": len(items),
                         "seconds": seconds, "round": rounds})
     return rounds
+
+
+async def _import_maker_modules() -> None:
+    """Run by ``client.run(wait=False)`` (which takes only coroutines): the import runs in a thread,
+    off the worker's event loop."""
+    import asyncio
+    import importlib
+
+    await asyncio.get_running_loop().run_in_executor(None, importlib.import_module, "carlskit.makers")
+
+
+class _SliceState:
+    """What the client knows of one slice, from its events (bounded: latest round, last skips)."""
+
+    def __init__(self) -> None:
+        self.round: dict | None = None
+        self.launches_started: set[int] = set()
+        self.reruns = 0  # Dask reran a launch after its worker was lost
+        self.worker: str | None = None
+        self.skipped: collections.OrderedDict[int, str] = collections.OrderedDict()
+        self.started_at: float | None = None
 
 
 class Maker:
@@ -91,16 +155,21 @@ class Maker:
       fn: ``fn(context: MakerContext)``; computes knowledge for ``context.items`` from
         ``context.checkpoint`` (leaves by path) and writes it with
         ``context.bank.update(..., version=context.version)``. Returning ``False`` says its inputs
-        are not ready yet (e.g. embeddings another maker writes): the round is retried.
+        are not ready yet (e.g. embeddings another maker writes): the round is retried. It is
+        pickled into every slice's task (and re-sent with every relaunch).
       items: the item keys this maker is responsible for (split into ``num_slices`` slices).
       num_slices: parallel slices (one Dask task or thread each).
       name: shown in status and events.
       poll_seconds: how often a slice checks for a new checkpoint.
-      workers: optional Dask worker addresses (or resource restrictions) the slices may run on.
+      workers: optional Dask worker addresses the slices prefer (others are used when they are gone).
+      restart_policy: how a failing slice is relaunched: a :class:`carlskit.cluster.RestartPolicy`,
+        a budget in seconds (keep relaunching for that long after failures began, with exponential
+        backoff), or ``None`` for the default policy (10 minutes).
     """
 
     def __init__(self, fn: MakerFn, items: np.ndarray, *, num_slices: int = 1, name: str | None = None,
-                 poll_seconds: float = 0.2, workers: list[str] | None = None, max_restarts: int = 10):
+                 poll_seconds: float = 0.2, workers: list[str] | None = None,
+                 restart_policy: RestartPolicy | float | None = None):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         items = np.asarray(items)
@@ -108,8 +177,6 @@ class Maker:
             raise ValueError(f"items must be a non-empty 1-D int array, got {items.dtype} {items.shape}")
         if positive_int(num_slices, "num_slices") > len(items):
             raise ValueError(f"num_slices must be in [1, {len(items)}] (one item per slice at least), got {num_slices}")
-        if isinstance(max_restarts, bool) or not isinstance(max_restarts, int) or max_restarts < 0:
-            raise ValueError(f"max_restarts must be an int >= 0, got {max_restarts!r}")
         if name is not None and not isinstance(name, str):
             raise TypeError(f"name must be a str or None, got {type(name).__name__}")
         self.fn = fn
@@ -118,7 +185,7 @@ class Maker:
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.poll_seconds = positive_float(poll_seconds, "poll_seconds")
         self.workers = workers
-        self.max_restarts = max_restarts
+        self.restart_policy = as_restart_policy(restart_policy, "restart_policy")
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"
         self._client = None
         self._store: CheckpointStore | None = None
@@ -126,17 +193,32 @@ class Maker:
         self._tasks: LongRunningTasks | None = None  # the slices, supervised (restarted on failure)
         self._past_errors: list[tuple[str, str]] = []
         self._past_restarts = 0
-        self._fn_ref: Any = None  # fn, or its Future on the cluster while running
+        self._past_gave_up: dict[str, str] = {}
+        self._launches = [0] * self.num_slices
+        self._state_lock = threading.Lock()
+        self._slices = [_SliceState() for _ in range(self.num_slices)]
+        self._events: collections.deque[dict] = collections.deque(maxlen=KEPT_EVENTS)
+        self._supervision: dict[str, dict] = {}  # the slices' supervision state when last stopped
         self._started = 0.0
 
     @property
     def errors(self) -> list[tuple[str, str]]:
-        """``(slice, message with traceback)`` of every failure, over all runs of this maker."""
+        """``(slice, message with traceback)`` of recent failures, over all runs of this maker."""
         return self._past_errors + (self._tasks.errors if self._tasks is not None else [])
 
     @property
     def restarts(self) -> int:
-        return self._past_restarts + (self._tasks.restarts if self._tasks is not None else 0)
+        """Relaunches of slices by the supervisor plus reruns by Dask after a lost worker."""
+        return self._past_restarts + self._current_restarts()
+
+    def _current_restarts(self) -> int:  # of this run (start() folds the previous runs' into _past_restarts)
+        with self._state_lock:
+            return sum(max(launches - 1, 0) + state.reruns for launches, state in zip(self._launches, self._slices))
+
+    @property
+    def gave_up(self) -> dict[str, str]:
+        """``{slice: reason}`` of slices abandoned after their restart budget was spent."""
+        return {**self._past_gave_up, **(self._tasks.gave_up if self._tasks is not None else {})}
 
     @property
     def slices(self) -> list[np.ndarray]:
@@ -152,32 +234,83 @@ class Maker:
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"  # this run's events only
         self._store, self._bank, self._client = checkpoints, bank, client
         self._started = time.time()
+        with self._state_lock:
+            self._past_restarts += sum(max(launches - 1, 0) + state.reruns
+                                       for launches, state in zip(self._launches, self._slices))
+            self._launches = [0] * self.num_slices
+            self._slices = [_SliceState() for _ in range(self.num_slices)]
+        if client is None:
+            _LOCAL_HANDLERS[self._topic] = self._on_event
+        else:
+            client.subscribe_topic(self._topic, self._on_event)  # before any slice can report
+            # Every worker imports the makers' modules (JAX, Flax) now, in the background, so a slice
+            # rerun on a surviving worker after its own was lost starts at once: that import was 15 s
+            # of an 18 s recovery on a loaded 2-core machine.
+            client.run(_import_maker_modules, wait=False)
         self._stop = stop_flag(client, f"{self._topic}-stop")
-        # Ship fn (and the features it may hold) to the cluster once, not with every slice and restart.
-        self._fn_ref = self.fn if client is None else client.scatter(self.fn, hash=False)
-        self._tasks = LongRunningTasks(client, f"maker-{self.name}", piece="slice", policy=self.max_restarts)
+        self._tasks = LongRunningTasks(client, f"maker-{self.name}", piece="slice", policy=self.restart_policy)
         for index in range(self.num_slices):
             # Preferred workers; a slice whose worker is lost is rerun elsewhere.
             self._tasks.launch(str(index), run_maker_slice, self._slice_arguments(index), workers=self.workers)
         return self
 
-    def _slice_arguments(self, index: int):
-        return lambda: (self._fn_ref, self.slices[index], index, self._store.path, self._bank, self._stop,
-                        self._topic, self.poll_seconds, None)
+    def _slice_arguments(self, index: int) -> Callable[[], tuple]:
+        def make_args() -> tuple:  # called for every launch: fn travels with the task each time
+            with self._state_lock:
+                launch = self._launches[index]
+                self._launches[index] += 1
+            return (self.fn, self.slices[index], index, self._store.path, self._bank, self._stop,
+                    self._topic, self.poll_seconds, None, launch)
+
+        return make_args
+
+    def _on_event(self, event: tuple[float, dict]) -> None:
+        """Fold one slice event into its state (runs on the client's event loop or a slice thread)."""
+        timestamp, message = event
+        index = message.get("slice")
+        if not isinstance(index, int) or not 0 <= index < self.num_slices:
+            return
+        with self._state_lock:
+            self._events.append(message)
+            state = self._slices[index]
+            kind = message.get("event")
+            if kind == "started":
+                if message["launch"] in state.launches_started:
+                    state.reruns += 1
+                state.launches_started.add(message["launch"])
+                state.worker, state.started_at = message["worker"], timestamp
+            elif kind == "skipped":
+                state.skipped[message["version"]] = message["reason"]
+                while len(state.skipped) > KEPT_SKIPS:
+                    state.skipped.popitem(last=False)
+            elif kind == "round":
+                state.round = message
+
+    def check(self) -> None:
+        """Raise :class:`carlskit.ServiceGaveUpError` if a slice was given up (its budget spent)."""
+        gave_up = self.gave_up
+        if gave_up:
+            raise ServiceGaveUpError(f"maker {self.name!r}: " + "; ".join(gave_up.values()))
 
     def wait_for_version(self, version: int, timeout: float = 120.0) -> None:
         """Block until every slice has written knowledge for ``version`` or newer.
 
-        Raises ``TimeoutError`` (with the maker's errors, if any) when that takes over ``timeout`` s.
+        Raises :class:`carlskit.ServiceGaveUpError` as soon as a slice is given up, and
+        ``TimeoutError`` (with the maker's errors and skipped checkpoints, if any) when that takes
+        over ``timeout`` s.
         """
         deadline = time.monotonic() + timeout
         while True:
-            versions = [s["version"] for s in self.status()["slices"]]
+            self.check()
+            slices = self.status()["slices"]
+            versions = [s["version"] for s in slices]
             if all(v is not None and v >= version for v in versions):
                 return
             if time.monotonic() > deadline:
+                skipped = {v: r for s in slices for v, r in s["skipped"].items()}
                 raise TimeoutError(f"maker {self.name!r} slices reached versions {versions}, not {version}, "
-                                   f"within {timeout:g} s; errors: {[e for _, e in self.errors][:1]}")
+                                   f"within {timeout:g} s; errors: {[e for _, e in self.errors][:1]}"
+                                   + (f"; skipped damaged checkpoints: {skipped}" if skipped else ""))
             time.sleep(0.05)
 
     def stop(self, timeout: float = 30.0) -> None:
@@ -185,39 +318,56 @@ class Maker:
         if self._tasks is None:
             return
         self._tasks.stop(self._stop, timeout)
-        self._past_errors, self._past_restarts = self.errors, self.restarts
+        self._past_errors, self._past_gave_up = self.errors, self.gave_up
+        self._supervision = self._tasks.status()
         self._tasks = None
-        self._fn_ref = None
+        if self._client is None:
+            _LOCAL_HANDLERS.pop(self._topic, None)
+        else:
+            try:
+                self._client.unsubscribe_topic(self._topic)
+            except Exception as error:  # the client closed first: nothing left to release
+                logger.debug("unsubscribe %s: %s", self._topic, error)
 
     # -- status ----------------------------------------------------------------------------------
     def events(self) -> list[dict]:
-        if self._client is None:
-            return [message for _, message in _LOCAL_EVENTS.get(self._topic, [])]
-        return [message for _, message in self._client.get_events(self._topic)]
+        """The last ``KEPT_EVENTS`` messages of this run's slices (started, round, skipped)."""
+        with self._state_lock:
+            return list(self._events)
 
     def status(self) -> dict:
-        """Per-slice version, lag (checkpoints published since), items/s; plus restarts and errors."""
-        events = self.events()
+        """Per slice: supervision ``state`` (running, restarting, gave up, stopped), ``version``,
+        ``lag`` (intact checkpoints published since), items/s, ``restarts``, ``worker``, ``skipped``
+        (damaged checkpoints: ``{version: reason}``), ``running_since`` (wall time its current run
+        started); plus the maker's restarts and errors."""
         published = self._store.versions() if self._store is not None else []
-        latest_by_slice: dict[int, dict] = {}
-        for message in events:
-            latest_by_slice[message["slice"]] = message
+        supervision = self._tasks.status() if self._tasks is not None else self._supervision
         slices = []
-        for index in range(self.num_slices):
-            message = latest_by_slice.get(index)
-            version = None if message is None else message["version"]
-            slices.append({
-                "slice": index,
-                "version": version,
-                "lag": len(published) if version is None else sum(v > version for v in published),
-                "items_per_s": None if message is None else message["items"] / max(message["seconds"], 1e-9),
-                "rounds": 0 if message is None else message["round"],
-            })
+        with self._state_lock:
+            for index, state in enumerate(self._slices):
+                message = state.round
+                version = None if message is None else message["version"]
+                watched = supervision.get(str(index), {})
+                slices.append({
+                    "slice": index,
+                    "state": watched.get("state", "not started"),
+                    "version": version,
+                    # checkpoints published since, that it can still use (not those it found damaged)
+                    "lag": sum((version is None or v > version) and v not in state.skipped for v in published),
+                    "items_per_s": None if message is None else message["items"] / max(message["seconds"], 1e-9),
+                    "rounds": 0 if message is None else message["round"],
+                    "restarts": max(self._launches[index] - 1, 0) + state.reruns,
+                    "worker": state.worker,
+                    "running_since": state.started_at,
+                    "skipped": dict(state.skipped),
+                    "reason": watched.get("reason"),
+                })
         return {"name": self.name, "slices": slices, "restarts": self.restarts,
-                "errors": [e for _, e in self.errors]}
+                "errors": [e for _, e in self.errors], "gave_up": list(self.gave_up.values())}
 
     def __repr__(self) -> str:
         status = self.status()
         versions = [s["version"] for s in status["slices"]]
-        return (f"<Maker {self.name!r}: {self.num_slices} slice(s), versions {versions}, "
+        states = sorted({s["state"] for s in status["slices"]})
+        return (f"<Maker {self.name!r}: {self.num_slices} slice(s) {'/'.join(states)}, versions {versions}, "
                 f"restarts {status['restarts']}, errors {len(status['errors'])}>")

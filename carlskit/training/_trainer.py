@@ -80,7 +80,7 @@ class Trainer:
         snapshots (``KnowledgeBank.enable_snapshots``; see ``bank_recoveries``); otherwise ``fit``
         publishes a checkpoint of the last finished step and raises ``ShardLostError`` naming the
         shard.
-      checkpoints: a :class:`CheckpointStore` or a path for one; the trainer resumes from its latest
+      checkpoints: a :class:`CheckpointStore` or a path for one; the trainer resumes from its newest intact
         checkpoint and publishes a new one every ``checkpoint_every`` steps (version = step).
       summaries: optional writer with ``scalar(name, value, step)`` (e.g. ``SummaryWriter``).
       prefetch: batches prepared ahead of the step.
@@ -148,7 +148,13 @@ class Trainer:
             model, optimizer = nnx.merge(graphdef, state)
             (loss, metrics), grads = nnx.value_and_grad(checked_loss, has_aux=True)(model, batch)
             optimizer.update(model, grads)
-            return nnx.state((model, optimizer)), loss, metrics
+            new_state = nnx.state((model, optimizer))
+            # A finite loss can still come with non-finite gradients (e.g. sqrt at 0): one fused
+            # reduction over the new weights and optimizer state, read with the loss.
+            finite = jax.numpy.all(jax.numpy.array(
+                [jax.numpy.isfinite(leaf).all() for leaf in jax.tree.leaves(new_state)
+                 if jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)] or [True]))
+            return new_state, loss, metrics, finite
 
         return train_step
 
@@ -161,18 +167,31 @@ class Trainer:
         return {"model": self._state[0], "optimizer": self._state[1]}
 
     def save_checkpoint(self) -> int | None:
-        """Publish the current state as version ``step`` (no-op without a store or if published)."""
+        """Publish the current state as version ``step`` (no-op without a store or if published).
+
+        Raises ``ValueError`` naming the leaves, and publishes nothing, when a weight or optimizer
+        state holds NaN or an infinity (``fit`` never commits such a step, so this guards states set
+        by hand)."""
         if self.checkpoints is None or self.checkpoints.latest() == self.step:
             return None
-        return self.checkpoints.save(self.checkpoint_tree(), version=self.step, metadata={"step": self.step})
+        return self.checkpoints.save(self.checkpoint_tree(), version=self.step, metadata={"step": self.step},
+                                     check_finite=True)
 
     def restore(self, version: int | None = None) -> bool:
-        """Load the latest (or given) checkpoint into the trainer; returns whether one was loaded."""
+        """Load the newest intact (or the given) checkpoint into the trainer; returns whether one
+        was loaded. Damaged newer checkpoints are skipped (``checkpoints.corrupt_versions()`` says
+        why); an explicitly requested damaged version raises :class:`carlskit.CorruptFileError`."""
         if self._fitting:
             raise RuntimeError("cannot restore while a fit is running; stop() or wait() on its FitHandle first")
-        if self.checkpoints is None or self.checkpoints.latest() is None:
+        if self.checkpoints is None:
             return False
-        tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
+        if version is None:
+            loaded = self.checkpoints.load_latest(target=self.checkpoint_tree())
+            if loaded is None:
+                return False
+            _, tree, metadata = loaded
+        else:
+            tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
         self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
             self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
@@ -277,16 +296,21 @@ class Trainer:
                 arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
                 start = time.perf_counter()
                 try:
-                    state, loss, metrics = self._train_step(self._state, arrays)
+                    state, loss, metrics, finite = self._train_step(self._state, arrays)
                 except (TypeError, ValueError) as error:  # e.g. a batch of the wrong shape for the model
                     shapes = {k: (np.shape(v), str(getattr(v, "dtype", type(v).__name__))) for k, v in arrays.items()}
                     kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
                     raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
                                       f"{error}") from error
-                loss = float(loss)  # the step's one host sync
+                loss, finite = jax.device_get((loss, finite))  # the step's one host sync
+                loss = float(loss)
                 if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
                     raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
                                      f"the step was not applied (the model is as after step {self.step})")
+                if not finite:
+                    raise ValueError(f"step {self.step + 1} produced non-finite weights or optimizer state "
+                                     f"(NaN or infinite gradients from a finite loss {loss}); the step was not "
+                                     f"applied (the model is as after step {self.step})")
                 with self._lock:
                     self._state = state
                 self.step += 1

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from carlskit.bank import KnowledgeBank
+from carlskit.cluster import RestartPolicy
 from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker, NeighborMaker
 from carlskit.makers._maker import MakerContext
 
@@ -25,11 +26,23 @@ def context(items, bank=None):
     ({"num_slices": 0}, "num_slices must be a positive int, got 0"),
     ({"poll_seconds": 0}, "poll_seconds must be a finite number > 0"),
     ({"poll_seconds": float("nan")}, "poll_seconds"),
-    ({"max_restarts": -1}, "max_restarts must be an int >= 0"),
+    ({"restart_policy": -1}, "restart_policy must be a finite number > 0, got -1"),
+    ({"restart_policy": float("inf")}, "restart_policy must be finite"),
+    ({"restart_policy": "60"}, "restart_policy must be a RestartPolicy or a budget in seconds, got str"),
+    ({"restart_policy": 5}, None),
 ])
 def test_maker_arguments_are_checked_at_construction(kwargs, message):
+    if message is None:  # accepted: a budget in seconds becomes the default policy with that budget
+        assert Maker(write_nothing, np.arange(4), **kwargs).restart_policy == RestartPolicy(budget_seconds=5.0)
+        return
     with pytest.raises((TypeError, ValueError), match=message):  # TypeError for a non-int
         Maker(write_nothing, np.arange(4), **kwargs)
+
+
+def test_a_restart_policy_is_taken_as_given_and_none_is_the_default():
+    policy = RestartPolicy(budget_seconds=30.0, max_delay_seconds=2.0)
+    assert Maker(write_nothing, np.arange(4), restart_policy=policy).restart_policy is policy
+    assert Maker(write_nothing, np.arange(4)).restart_policy == RestartPolicy()
 
 
 def test_builtin_maker_arguments_are_named():

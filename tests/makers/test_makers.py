@@ -1,13 +1,13 @@
-"""Makers: refresh knowledge from the latest checkpoint, report lag, restart after errors and lost workers."""
+"""Makers: refresh knowledge from the latest checkpoint, report lag, restart after errors.
 
-import os
-import signal
+A maker whose worker is SIGKILLed: tests/chaos/test_makers_chaos.py.
+"""
+
 import time
 
 import numpy as np
 import pytest
 
-import carlskit
 from carlskit.bank import KnowledgeBank
 from carlskit.makers import Maker
 from carlskit.training import CheckpointStore
@@ -75,37 +75,6 @@ def test_bad_maker_arguments():
         Maker(write_version, np.array([0.5, 1.5]))
     with pytest.raises(ValueError, match="num_slices"):
         Maker(write_version, np.arange(3), num_slices=4)
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("no_leftover_processes")
-def test_killing_a_makers_worker_mid_run(tmp_path):
-    """Training (checkpoint publishing) goes on, the maker is rerun elsewhere, and its lag recovers."""
-    client = carlskit.connect(n_workers=2, threads_per_worker=1)
-    try:
-        bank = KnowledgeBank(client, num_shards=1)
-        bank.create_table("emb", dim=4, initializer="zeros")
-        bank_worker = bank.shard_workers[0]
-        maker_worker = next(w for w in client.scheduler_info()["workers"] if w != bank_worker)
-        store = CheckpointStore(tmp_path, keep=None)
-        items = np.arange(64)
-        store.save({"w": np.float32(1)}, version=1)
-        maker = Maker(write_version, items, poll_seconds=0.02, workers=[maker_worker]).start(store, bank, client)
-        wait_until(lambda: (bank_versions(bank, items) == 1).all())
-        assert maker_worker in client.processing(), "the maker runs on the chosen worker"
-
-        pid = client.run(os.getpid, workers=[maker_worker])[maker_worker]
-        os.kill(pid, signal.SIGKILL)  # the maker's worker process dies; its nanny starts a new one
-        for version in range(2, 6):  # the trainer keeps publishing meanwhile
-            store.save({"w": np.float32(version)}, version=version)
-            time.sleep(0.2)
-        wait_until(lambda: (bank_versions(bank, items) == 5).all(), seconds=120)
-        assert [s["lag"] for s in maker.status()["slices"]] == [0]
-        assert maker.status()["errors"] == []
-        maker.stop()
-        bank.close()
-    finally:
-        client.close()
 
 
 def test_a_round_whose_inputs_are_missing_is_retried_not_counted(tmp_path):

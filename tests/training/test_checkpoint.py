@@ -5,6 +5,7 @@ import optax
 import pytest
 from flax import nnx
 
+from carlskit._errors import CorruptFileError
 from carlskit.training import CheckpointStore, restore_model
 
 
@@ -104,5 +105,6 @@ def test_a_corrupt_checkpoint_is_an_error_naming_its_file(tmp_path, damage):
         with np.load(npz) as content:
             kept = {name: content[name] for name in content.files[:1]}
         np.savez(npz, **kept)  # one array is gone, the manifest still lists it
-    with pytest.raises(ValueError, match=r"checkpoint version 1 is corrupt: .*v000000000001\.(npz|json)"):
+    with pytest.raises(CorruptFileError, match=r"v000000000001\.(npz|json): corrupt file"):
         store.load(1)
+    assert store.latest() is None and 1 in store.corrupt_versions()

@@ -140,3 +140,35 @@ def test_the_model_stays_usable_while_training_runs_in_the_background(tmp_path):
     handle.wait()
     with pytest.raises(ValueError, match="prefetch"):
         Trainer(Linear(), optax.sgd(0.1), mse, prefetch=0)
+
+
+def poisoned_from_step_6(step):
+    """From step 6 on (a checkpoint step), the batch makes the gradient NaN while the loss stays finite."""
+    return {**data(step), "poison": np.float32(step >= 5)}
+
+
+def mse_with_nan_gradients(model, batch):
+    loss, metrics = mse(model, batch)
+    # 0 * sqrt(u): the value is 0, but at u = 0 the gradient is 0 * inf = NaN (u = 0 when poisoned).
+    u = jnp.sum(model.linear.bias[...] * 0.0) + 1.0 - batch["poison"]
+    return loss + 0.0 * jnp.sqrt(u), metrics
+
+
+def test_nan_gradients_under_a_finite_loss_stop_fit_and_no_checkpoint_holds_a_nan(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    trainer = Trainer(Linear(), optax.sgd(0.01), mse_with_nan_gradients, checkpoints=store, checkpoint_every=2)
+    with pytest.raises(ValueError, match=r"step 6 produced non-finite weights .* as after step 5"):
+        trainer.fit(poisoned_from_step_6, 10, progress=False)
+    assert trainer.step == 5 and store.versions() == [2, 4]
+    assert np.isfinite(np.asarray(trainer.model.linear.kernel[...])).all()
+    for version in store.versions():
+        arrays, _ = store.load(version)
+        assert all(np.isfinite(a).all() for a in arrays.values() if np.issubdtype(a.dtype, np.floating))
+
+
+def test_a_checkpoint_with_nan_leaves_is_refused_and_nothing_is_written(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", keep=None)
+    tree = {"model": {"w": np.array([1.0, np.nan], np.float32)}, "opt": {"mu": np.array([np.inf])}}
+    with pytest.raises(ValueError, match=r"version 3 not saved: leaves \[\"\['model'\]\['w'\]\", \"\['opt'\]\['mu'\]\"\] hold NaN"):
+        store.save(tree, version=3, check_finite=True)
+    assert store.versions() == [] and list((tmp_path / "ckpt").iterdir()) == []
