@@ -39,8 +39,9 @@ class Placement:
     """The workers a service may run on.
 
     Args:
-      workers: worker addresses (``"tcp://10.0.0.5:40123"``) or names (``"makers-0"``); ``None``
-        for any worker.
+      workers: worker addresses (``"tcp://10.0.0.5:40123"``) or names (``"makers-0"``, ``"1"``);
+        ``None`` for any worker. A name survives its worker's restart by a nanny (a new process at
+        a new address), so a service placed by name returns to the replacement worker.
       resources: Dask resources a worker must offer, e.g. ``{"maker": 1}`` (at least that amount
         of each); ``None`` for none. Without either, accelerator workers are left out unless every
         worker is one.
@@ -81,8 +82,8 @@ class Placement:
 
     def matches(self, address: str, info: Mapping[str, Any]) -> bool:
         """Whether a worker (its address and ``scheduler_info`` entry) satisfies this placement."""
-        if self.workers is not None and address not in self.workers and info.get("name") not in self.workers:
-            return False
+        if self.workers is not None and address not in self.workers and str(info.get("name")) not in self.workers:
+            return False  # names are compared as text: LocalCluster names its workers 0, 1, ...
         offered = info.get("resources") or {}
         return all(offered.get(name, 0) >= amount for name, amount in (self.resources or {}).items())
 

@@ -36,6 +36,7 @@ import numpy as np
 
 from carlskit._checks import positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
+from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import restart_policy as as_restart_policy
 from carlskit.cluster._supervised import (
     LongRunningTasks,
@@ -161,14 +162,18 @@ class Maker:
       num_slices: parallel slices (one Dask task or thread each).
       name: shown in status and events.
       poll_seconds: how often a slice checks for a new checkpoint.
-      workers: optional Dask worker addresses the slices prefer (others are used when they are gone).
+      workers, resources: where the slices may run (:class:`carlskit.cluster.Placement`: worker
+        addresses or names, and/or Dask resources a worker must offer, e.g. ``{"maker": 1}``, used
+        as labels, so one worker holds any number of slices). A relaunched slice keeps its
+        placement. By default slices stay off accelerator workers when there are others.
       restart_policy: how a failing slice is relaunched: a :class:`carlskit.cluster.RestartPolicy`,
         a budget in seconds (keep relaunching for that long after failures began, with exponential
         backoff), or ``None`` for the default policy (10 minutes).
     """
 
     def __init__(self, fn: MakerFn, items: np.ndarray, *, num_slices: int = 1, name: str | None = None,
-                 poll_seconds: float = 0.2, workers: list[str] | None = None,
+                 poll_seconds: float = 0.2, workers: list[str] | str | None = None,
+                 resources: dict[str, float] | None = None,
                  restart_policy: RestartPolicy | float | None = None):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
@@ -184,7 +189,7 @@ class Maker:
         self.num_slices = int(num_slices)
         self.name = name or getattr(fn, "__name__", type(fn).__name__)
         self.poll_seconds = positive_float(poll_seconds, "poll_seconds")
-        self.workers = workers
+        self.placement = Placement.of(workers, resources)
         self.restart_policy = as_restart_policy(restart_policy, "restart_policy")
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"
         self._client = None
@@ -250,8 +255,9 @@ class Maker:
         self._stop = stop_flag(client, f"{self._topic}-stop")
         self._tasks = LongRunningTasks(client, f"maker-{self.name}", piece="slice", policy=self.restart_policy)
         for index in range(self.num_slices):
-            # Preferred workers; a slice whose worker is lost is rerun elsewhere.
-            self._tasks.launch(str(index), run_maker_slice, self._slice_arguments(index), workers=self.workers)
+            # A slice whose worker is lost is rerun by Dask on another allowed worker, or relaunched
+            # by the supervisor among the live ones that match its placement.
+            self._tasks.launch(str(index), run_maker_slice, self._slice_arguments(index), placement=self.placement)
         return self
 
     def _slice_arguments(self, index: int) -> Callable[[], tuple]:
