@@ -844,7 +844,8 @@ class KnowledgeBank:
                    "max_version": t["max_version"]} for name, t in stats["tables"].items()]
         snapshots = None if self._snapshotter is None else self._snapshotter.status()
         return {"shards": self.num_shards, "transport": self.transport, "tables": tables,
-                "snapshots": snapshots}
+                "shard_workers": [{"shard": i, "worker": worker} for i, worker in enumerate(self._shard_workers)],
+                "placement": str(self._placement), "snapshots": snapshots}
 
     # ------------------------------------------------------------------ snapshots
     def _init_snapshots(self) -> None:

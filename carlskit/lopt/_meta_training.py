@@ -494,12 +494,13 @@ class MetaTraining:
         backoff = self._learner_backoff
         report = {"learner": {"state": self._learner_state, "failures": backoff.failures,
                               "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": self._learner_reason,
-                              "restarts": self.learner_restarts}}
+                              "restarts": self.learner_restarts, "placement": str(self.placement["learner"]),
+                              "worker": self._service_address}}
         if self._tasks is not None:
             for key, info in self._tasks.status().items():
                 report[f"es worker {key}"] = dict(info)
         if self.chief is not None:
-            report["evaluation"] = self.chief.supervision()
+            report["evaluation"] = {**self.chief.supervision(), "placement": str(self.placement["eval_workers"])}
         return report
 
     # ------------------------------------------------------------------ results

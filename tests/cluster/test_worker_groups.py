@@ -128,3 +128,65 @@ def test_placed_pieces_run_in_their_group_and_a_killed_one_restarts_inside_it(tm
     finally:
         tasks.stop(flag, timeout=20)
         client.close()
+
+
+def write_version(context):
+    import numpy as np
+
+    rows = np.full((len(context.items), 2), float(context.version), np.float32)
+    context.bank.update("emb", context.items, rows, version=context.version)
+
+
+def test_services_are_placed_by_group_and_a_killed_maker_restarts_inside_its_group(tmp_path):
+    import numpy as np
+
+    from carlskit.bank import KnowledgeBank
+    from carlskit.makers import Maker
+    from carlskit.summaries import SummaryWriter
+    from carlskit.training import CheckpointStore
+
+    client = carlskit.connect(worker_groups={
+        "accelerator": {"n_workers": 1, "devices": 4, "resources": {"accelerator": 1}},
+        "makers": {"n_workers": 1, "resources": {"maker": 1}},
+    })
+    maker = writer = None
+    try:
+        report = carlskit.devices(client)
+        (accelerator,), (maker_worker,) = report.group("accelerator"), report.group("makers")
+        default_bank = KnowledgeBank(client, num_shards=2)
+        assert default_bank.shard_workers == [maker_worker["process"]] * 2, "shards stay off the accelerator"
+        default_bank.close()
+        writer = SummaryWriter(tmp_path / "logs", client=client, n_shards=2)
+        assert {agg._address for agg in writer._aggregators} == {maker_worker["process"]}
+        writer.scalar("loss", 1.0, 0)
+        writer.close()
+        # A bank placed explicitly on the accelerator group (by worker name), makers on the makers group.
+        bank = KnowledgeBank(client, num_shards=1, workers=["accelerator-0"])
+        assert bank.shard_workers == [accelerator["process"]]
+        bank.create_table("emb", dim=2, initializer="zeros")
+        store = CheckpointStore(tmp_path / "ckpt")
+        store.save({"w": np.zeros(1, np.float32)}, version=1)
+        items = np.arange(8)
+        maker = Maker(write_version, items, num_slices=2, poll_seconds=0.05, resources={"maker": 1},
+                      restart_policy=RestartPolicy(budget_seconds=120, max_delay_seconds=1.0)).start(store, bank, client)
+        maker.wait_for_version(1, timeout=120)
+        assert {s["worker"] for s in maker.status()["slices"]} == {maker_worker["process"]}
+
+        kill_worker(client, maker_worker["process"])
+        killed_at = time.monotonic()
+        def replaced():
+            names = {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
+            return names.get("makers-0") not in (None, maker_worker["process"])
+
+        wait_until(replaced, seconds=120)
+        store.save({"w": np.zeros(1, np.float32)}, version=2)
+        maker.wait_for_version(2, timeout=120)
+        print(f"maker back in its group, writing version 2, {time.monotonic() - killed_at:.1f} s after the kill")
+        (new_maker_worker,) = carlskit.devices(client).group("makers")
+        assert {s["worker"] for s in maker.status()["slices"]} == {new_maker_worker["process"]}, \
+            "restarted inside its group, never on the accelerator"
+        assert (bank.row_metadata("emb", items)["version"] == 2).all()
+    finally:
+        if maker is not None:
+            maker.stop()
+        client.close()

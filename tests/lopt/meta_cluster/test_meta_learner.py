@@ -255,3 +255,21 @@ def test_learned_optimizer_of_a_run_skips_a_damaged_newest_checkpoint(tmp_path):
     assert training.learned_optimizer().info["checkpoint"] == 1
     with pytest.raises(ValueError, match="corrupt"):
         training.learned_optimizer(2)  # asked for by version: no silent substitute
+
+
+def test_service_placements_take_a_default_and_per_role_overrides_by_name():
+    from carlskit.cluster import Placement
+    from carlskit.lopt._meta_training import service_placements
+
+    placements = service_placements(None, {"cpu_pool": 1}, {"learner": {"workers": ["learner-0"]}})
+    assert placements["learner"] == Placement(("learner-0",), None)
+    assert placements["es_workers"] == placements["eval_workers"] == Placement(None, {"cpu_pool": 1})
+    assert service_placements(None, None, None)["learner"] == Placement()
+    with pytest.raises(ValueError, match=r"unknown roles \['trainer'\]"):
+        service_placements(None, None, {"trainer": {}})
+    with pytest.raises(ValueError, match=r"placement\['learner'\] has unknown keys \['gpus'\]"):
+        service_placements(None, None, {"learner": {"gpus": 1}})
+    with pytest.raises(TypeError, match=r"placement\['es_workers'\] must be a Placement or a dict"):
+        service_placements(None, None, {"es_workers": 3})
+    with pytest.raises(ValueError, match=r"resources\['GPU'\] must be a number > 0"):
+        service_placements(None, {"GPU": 0}, None)
