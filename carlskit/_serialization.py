@@ -7,7 +7,9 @@ old file or the complete new one, never a half-written file.
 Every byte is checksummed. JSON documents (manifests, evaluation state) are written by
 :func:`dumps_checked_json` as ``{"format": "carlskit.checked-json/1", "sha256": H, "content": C}``
 where ``H`` is the SHA-256 of ``C``'s canonical JSON (sorted keys, no spaces, no NaN/Infinity), so
-the file stays strict, human-readable JSON and any change to a value fails :func:`loads_checked_json`.
+the file stays strict, human-readable JSON and any change to a value fails :func:`loads_checked_json`;
+the reader also requires the exact bytes its writer produces, so a change that parses to the same
+value (a float's 17th digit, whitespace) is refused too: every byte is checked.
 Array files (``.npz``) carry zip's CRC-32 per member, and manifests record the SHA-256 of the whole
 file (:func:`sha256_hex`), checked before it is parsed. Every failure is a
 :class:`carlskit.CorruptFileError` naming the file, whatever layer (JSON, zip, zlib) noticed it.
@@ -120,6 +122,11 @@ def loads_checked_json(data: bytes, path: str | os.PathLike = "<bytes>") -> Any:
         raise CorruptFileError(path, "checksummed JSON document has unexpected fields")
     if sha256_hex(_canonical_json(document["content"])) != document["sha256"]:
         raise CorruptFileError(path, "content does not match its SHA-256")
+    if dumps_checked_json(document["content"]) != bytes(data):
+        # The checksum covers the parsed content; a float's 17th digit (or whitespace) can change
+        # without changing it. The writer's bytes are canonical, so any other byte is damage too.
+        raise CorruptFileError(path, "bytes differ from the canonical form its writer produced (e.g. a "
+                                     "float digit or whitespace that does not change the parsed value)")
     return document["content"]
 
 

@@ -119,7 +119,7 @@ def _rewrite(file, edit_entries=None, edit_description=None, raw_description=Non
     else:
         document = json.loads(raw)
         document["content"] = description
-        text = json.dumps(document).encode()
+        text = json.dumps(document, indent=1, sort_keys=True, allow_nan=False).encode()  # the writer's layout
     if text is not False:
         entries["__carlskit__"] = np.frombuffer(text, np.uint8)
     np.savez(file, allow_pickle=False, **entries)
