@@ -74,7 +74,11 @@ def download(url: str, target: Path, sha256: str | None, *, progress: bool = Tru
     temporary = target.with_name(f".part-{os.getpid()}-{target.name}")
     digest = hashlib.sha256()
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(temporary, "wb") as handle:
+        try:
+            response = urllib.request.urlopen(url, timeout=timeout)
+        except (urllib.error.URLError, TimeoutError) as error:
+            raise OSError(f"could not download {url}: {getattr(error, 'reason', error)}") from error
+        with response, open(temporary, "wb") as handle:
             total = response.headers.get("Content-Length")
             with tqdm(total=int(total) if total else None, unit="B", unit_scale=True, desc=target.name,
                       file=sys.stderr, disable=not progress, leave=False) as bar:
