@@ -1,10 +1,13 @@
 # carlskit: two commands on a fresh machine with Python 3.11+ (no conda needed).
-#   make lab   - create .venv, install carlskit with the lab extras, open the tutorials in JupyterLab
-#   make test  - create or update .venv, install, run every test and notebook
+#   make lab   - create .venv, install carlskit with the lab extras only, open the tutorials in JupyterLab
+#   make test  - create or update .venv, install the lab and dev (test) extras, run every test and notebook
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.installed-lab
+TEST_STAMP := $(VENV)/.installed-test
+# JupyterLab settings that hold for this venv only: no news or update-check toast on every page.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 LAB_PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
@@ -14,19 +17,26 @@ LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[lab,dev]"
-	@touch $(STAMP)
+# pip shows its own progress (downloads, builds): a first install takes minutes, never silently.
+$(LAB_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -e ".[lab]"
+	@mkdir -p $(dir $(LAB_OVERRIDES))
+	printf '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}\n' > $(LAB_OVERRIDES)
+	@touch $(LAB_STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(LAB_STAMP)
+	$(BIN)/python -m pip install -e ".[lab,dev]"
+	@touch $(TEST_STAMP)
 
-lab: $(STAMP)
+venv: $(LAB_STAMP)
+
+lab: $(LAB_STAMP)
 	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
 
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=300 -p no:cacheprovider -rfE --durations=15
 
 # The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).
