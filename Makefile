@@ -12,7 +12,7 @@ LAB_PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test venv clean browser
+.PHONY: lab test venv clean browser notebook-filter
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -32,11 +32,18 @@ $(TEST_STAMP): $(LAB_STAMP)
 
 venv: $(LAB_STAMP)
 
-lab: $(LAB_STAMP)
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
+# Notebooks stay free of outputs in git: JupyterLab saves them without outputs (a copy with outputs goes
+# to notebooks/executed/, ignored; tools/jupyter_server_config.py), and git's clean filter
+# (tools/nbstrip.py, named in .gitattributes) strips what other editors save. Outside a checkout: nothing to do.
+notebook-filter:
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then git config filter.carlskit-nbstrip.clean "$(PYTHON) tools/nbstrip.py"; fi
+
+lab: $(LAB_STAMP) notebook-filter
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG) \
+		--config=$(CURDIR)/tools/jupyter_server_config.py
 
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
-test: $(TEST_STAMP)
+test: $(TEST_STAMP) notebook-filter
 	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=300 -p no:cacheprovider -rfE --durations=15
 
 # The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).
