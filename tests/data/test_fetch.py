@@ -112,3 +112,13 @@ def test_an_unreachable_server_is_one_line_with_status_1(tmp_path, capsys):
     assert main(["fetch", "planetoid", "cora", "--dir", str(tmp_path), "--base-url", "http://127.0.0.1:9", "--quiet"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "Traceback" not in error and "http://127.0.0.1:9/ind.cora.x" in error
+
+
+def test_refetching_into_the_checkout_leaves_the_shipped_files_byte_for_byte(served, tmp_path):
+    server, _ = served
+    folder = tmp_path / "planetoid"
+    shutil.copytree(RAW.parent, folder)
+    before = {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+    fetch_planetoid("cora", folder, base_url=server.url, progress=False)
+    assert server.requests == [], "raw files with their pinned sums are not downloaded again"
+    assert {p.name: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before, "git stays clean"
