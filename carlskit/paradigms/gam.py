@@ -21,7 +21,7 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
 
 Command line (prints one JSON object as its last line)::
 
-    python -m carlskit.paradigms.gam --data cora.npz [--seed S] [--workers N] [--rounds R] [--steps N]
+    python -m carlskit.paradigms.gam [--data cora] [--seed S] [--workers N] [--rounds R] [--steps N]
 """
 
 from __future__ import annotations
