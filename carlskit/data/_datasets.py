@@ -168,8 +168,10 @@ def resolve_planetoid(name_or_path: str | os.PathLike) -> Path:
     if path.is_file():
         return path
     if path.suffix == ".npz" or os.sep in text or "/" in text:
+        known = planetoid_path(path.stem)
+        hint = f"; the data set {path.stem!r} is at {known}: pass the name {path.stem!r}" if known else ""
         raise DatasetNotFoundError(f"no graph file {text!r} (expected a Planetoid-format .npz, or a data set name "
-                                   f"such as 'cora')")
+                                   f"such as 'cora'){hint}")
     found = planetoid_path(text)
     if found is None:
         tried = ", ".join(str(d / f"{text}.npz") for d in _planetoid_dirs())
