@@ -4,9 +4,9 @@ The snippets run in order in one fresh process and one namespace (as a reader pa
 notebook; later ones use `client` and `bank` from earlier ones), in a scratch directory; their
 `carlskit.connect()` calls start embedded clusters as they would for a reader. Two problem sizes are
 shrunk (training steps), by replacements that must match the README exactly. Two cluster starts and
-the MoE and meta-training compilations dominate its time: 6 minutes on the shared 2-core machine at
-load average ~14 (MoE 140 s, meta-training 85 s, the CARLS loop 55 s); a quiet machine is several
-times faster.
+the MoE and meta-training compilations dominate its time: 4.5 minutes on the shared 2-core machine
+at load average ~12 (meta-training 76 s, MoE 73 s, the CARLS loop 54 s, the first cluster 37 s); a
+quiet machine is several times faster.
 Snippets marked ``<!-- tests/test_readme.py: compile only (reason) -->`` (an HPC queue, Kubernetes)
 are compiled, not run.
 """
