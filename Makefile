@@ -1,37 +1,54 @@
 # carlskit: two commands on a fresh machine with Python 3.11+ (no conda needed).
-#   make lab   - create .venv, install carlskit with the lab extras, open the tutorials in JupyterLab
-#   make test  - create or update .venv, install, run every test and notebook
+#   make lab   - create .venv, install carlskit with the lab extras only, open the tutorials in JupyterLab
+#   make test  - create or update .venv, install the lab and dev (test) extras, run every test and notebook
 #   make check - the quick subset (no slow tests, chaos tests or notebooks) for a development loop
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.installed-lab
+TEST_STAMP := $(VENV)/.installed-test
+# JupyterLab settings that hold for this venv only: no news or update-check toast on every page.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 LAB_PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test check venv clean browser
+.PHONY: lab test check venv clean browser notebook-filter
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --upgrade pip
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	$(BIN)/python -m pip install --quiet -e ".[lab,dev]"
-	@touch $(STAMP)
+# pip shows its own progress (downloads, builds): a first install takes minutes, never silently.
+$(LAB_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/python -m pip install -e ".[lab]"
+	@mkdir -p $(dir $(LAB_OVERRIDES))
+	printf '{"@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": false}}\n' > $(LAB_OVERRIDES)
+	@touch $(LAB_STAMP)
 
-venv: $(STAMP)
+$(TEST_STAMP): $(LAB_STAMP)
+	$(BIN)/python -m pip install -e ".[lab,dev]"
+	@touch $(TEST_STAMP)
 
-lab: $(STAMP)
-	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG)
+venv: $(LAB_STAMP)
+
+# Notebooks stay free of outputs in git: JupyterLab saves them without outputs (a copy with outputs goes
+# to notebooks/executed/, ignored; tools/jupyter_server_config.py), and git's clean filter
+# (tools/nbstrip.py, named in .gitattributes) strips what other editors save. Outside a checkout: nothing to do.
+notebook-filter:
+	@if git rev-parse --is-inside-work-tree >/dev/null 2>&1; then git config filter.carlskit-nbstrip.clean "$(PYTHON) tools/nbstrip.py"; fi
+
+lab: $(LAB_STAMP) notebook-filter
+	$(BIN)/jupyter lab --ip=127.0.0.1 --port=$(LAB_PORT) --ServerApp.root_dir=notebooks $(LAB_ROOT_FLAG) \
+		--config=$(CURDIR)/tools/jupyter_server_config.py
 
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
-test: $(STAMP)
+test: $(TEST_STAMP) notebook-filter
 	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=300 -p no:cacheprovider -rfE --durations=15
 
 # The quick loop for development: every test not marked slow, no chaos tests, no notebooks (~5 min).
-check: $(STAMP)
+check: $(TEST_STAMP) notebook-filter
 	$(BIN)/python -m pytest tests -m "not slow" --ignore=tests/chaos -p no:cacheprovider -q -x
 
 # The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).

@@ -1,13 +1,23 @@
 """Small real data sets that need no download: scikit-learn's digits (also as captioned image pairs)
-and Planetoid-style graphs."""
+and the Planetoid citation graphs Cora and Citeseer (shipped in ``data/planetoid``; PubMed with
+``python -m carlskit.data fetch planetoid pubmed``)."""
 
 from carlskit.data._captions import VOCABULARY, PairedDataset, load_captioned_digits
 from carlskit.data._datasets import (
     Dataset,
+    DatasetNotFoundError,
+    data_dir,
+    data_dirs,
     load_digits,
     load_planetoid,
     neighbors_from_edges,
     planetoid_path,
+    resolve_planetoid,
 )
+from carlskit.data._fetch import PLANETOID_SHA256, UnpinnedDatasetError, convert_planetoid, fetch_planetoid
+from carlskit.data._planetoid import UnsafePickleError, load_planetoid_pickle, read_planetoid_raw
 
-__all__ = ["PairedDataset", "load_captioned_digits", "VOCABULARY", "Dataset", "load_digits", "load_planetoid", "neighbors_from_edges", "planetoid_path"]
+__all__ = ["PairedDataset", "load_captioned_digits", "VOCABULARY", "Dataset", "DatasetNotFoundError", "load_digits",
+           "load_planetoid", "neighbors_from_edges", "planetoid_path", "resolve_planetoid", "data_dir", "data_dirs",
+           "fetch_planetoid", "convert_planetoid", "PLANETOID_SHA256", "UnpinnedDatasetError", "UnsafePickleError",
+           "load_planetoid_pickle", "read_planetoid_raw"]

@@ -98,45 +98,112 @@ def load_digits(label_fraction: float = 0.05, *, seed: int = 0, test_fraction: f
     )
 
 
-def planetoid_path(name: str) -> Path | None:
-    """Where a Planetoid graph ``name`` (``"cora"``, ``"citeseer"``) lies, or ``None``.
+class DatasetNotFoundError(FileNotFoundError):
+    """A data set asked for by name or path is not on this machine; the message is one line that
+    names what was tried and the command that fetches it."""
 
-    Looks in ``$CARLSKIT_PLANETOID_DIR``, then ``../shared/data/planetoid`` beside the working
-    directory and beside this repository.
-    """
-    candidates = []
-    if os.environ.get("CARLSKIT_PLANETOID_DIR"):
-        candidates.append(Path(os.environ["CARLSKIT_PLANETOID_DIR"]))
-    repository = Path(__file__).resolve().parents[2]
-    for base in (Path.cwd(), Path.cwd().parent, repository):
-        candidates.append(base.parent / "shared" / "data" / "planetoid")
-    for directory in candidates:
+
+def _repository_data() -> Path | None:
+    """The ``data/`` folder of the source checkout this package runs from (a clone, an editable
+    install or ``PYTHONPATH``), or ``None`` for an installed wheel."""
+    root = Path(__file__).resolve().parents[2]
+    if (root / "pyproject.toml").is_file() and (root / "data" / "planetoid").is_dir():
+        return root / "data"
+    return None
+
+
+def _user_data() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(cache) / "carlskit" / "data"
+
+
+def data_dirs() -> list[Path]:
+    """The folders searched for data sets, first match wins: ``$CARLSKIT_DATA``, the checkout's
+    ``data/`` (Cora and Citeseer ship there), then the per-user ``~/.cache/carlskit/data``
+    (``$XDG_CACHE_HOME``), where a wheel install fetches to."""
+    folders = [Path(os.environ["CARLSKIT_DATA"])] if os.environ.get("CARLSKIT_DATA") else []
+    repository = _repository_data()
+    if repository is not None:
+        folders.append(repository)
+    folders.append(_user_data())
+    return folders
+
+
+def data_dir() -> Path:
+    """Where ``python -m carlskit.data fetch`` writes: the first of :func:`data_dirs`."""
+    return data_dirs()[0]
+
+
+def _planetoid_dirs() -> list[Path]:
+    legacy = [Path(os.environ["CARLSKIT_PLANETOID_DIR"])] if os.environ.get("CARLSKIT_PLANETOID_DIR") else []
+    return legacy + [folder / "planetoid" for folder in data_dirs()]
+
+
+def fetch_command(name: str) -> str:
+    """The command that gets Planetoid data set ``name`` (fetch for the published ones, convert for others)."""
+    from carlskit.data._fetch import PLANETOID_SHA256
+
+    if name not in PLANETOID_SHA256:
+        return f"python -m carlskit.data convert planetoid {name} --raw FOLDER_WITH_ind.{name}.*"
+    unpinned = " --unpinned" if PLANETOID_SHA256[name] is None else ""
+    return f"python -m carlskit.data fetch planetoid {name}{unpinned}"
+
+
+def planetoid_path(name: str) -> Path | None:
+    """Where the converted Planetoid graph ``name`` (``"cora"``, ``"citeseer"``, ``"pubmed"``) lies,
+    or ``None``: ``NAME.npz`` in ``$CARLSKIT_PLANETOID_DIR`` (kept for existing set-ups), then in
+    ``planetoid/`` under each of :func:`data_dirs`."""
+    for directory in _planetoid_dirs():
         path = directory / f"{name}.npz"
         if path.is_file():
             return path
     return None
 
 
-def load_planetoid(path: str | os.PathLike) -> Dataset:
-    """Load a Planetoid-style ``.npz`` graph (features, labels, edges, train/val/test indices).
+def resolve_planetoid(name_or_path: str | os.PathLike) -> Path:
+    """The ``.npz`` file a data set name or a path stands for; :class:`DatasetNotFoundError` (one line:
+    what was tried and how to fetch it) when there is none."""
+    text = os.fspath(name_or_path)
+    path = Path(text)
+    if path.is_file():
+        return path
+    if path.suffix == ".npz" or os.sep in text or "/" in text:
+        known = planetoid_path(path.stem)
+        hint = f"; the data set {path.stem!r} is at {known}: pass the name {path.stem!r}" if known else ""
+        raise DatasetNotFoundError(f"no graph file {text!r} (expected a Planetoid-format .npz, or a data set name "
+                                   f"such as 'cora'){hint}")
+    found = planetoid_path(text)
+    if found is None:
+        tried = ", ".join(str(d / f"{text}.npz") for d in _planetoid_dirs())
+        raise DatasetNotFoundError(f"Planetoid data set {text!r} not found (tried {tried}); "
+                                   f"get it with: {fetch_command(text)}")
+    return found
 
-    Accepts any file in that format (see ``shared/data/planetoid/README.md``): float features [N, D],
-    int labels [N] (-1 for unlabelled), int edges [M, 2], int index arrays. Raises ``ValueError``
-    naming the array when one is missing or has the wrong dtype, rank or range.
+
+def load_planetoid(name_or_path: str | os.PathLike) -> Dataset:
+    """Load a Planetoid-style graph by name (``"cora"``, ``"citeseer"``, a fetched ``"pubmed"``;
+    see :func:`planetoid_path`) or from any ``.npz`` file in that format.
+
+    The format (``data/planetoid/README.md``): float features [N, D], int labels [N] (-1 for
+    unlabelled), int edges [M, 2], int index arrays ``train_idx``, ``val_idx``, ``test_idx``. Raises
+    :class:`DatasetNotFoundError` when the name or path leads nowhere, ``ValueError`` naming the
+    array when one is missing or has the wrong dtype, rank or range.
     """
-    path = Path(path)
-    with np.load(path, allow_pickle=False) as archive:
-        arrays = {}
-        for name, (kind, rank) in _PLANETOID_ARRAYS.items():
-            if name not in archive.files:
-                raise ValueError(f"{path.name}: missing array {name!r} (has {sorted(archive.files)})")
-            array = archive[name]
-            if not np.issubdtype(array.dtype, kind) or array.ndim != rank:
-                raise ValueError(
-                    f"{path.name}: array {name!r} must be {kind.__name__} of rank {rank}, "
-                    f"got {array.dtype} with shape {array.shape}"
-                )
-            arrays[name] = array
+    from carlskit._serialization import npz_bytes_to_arrays  # imports JAX: only when loading
+
+    path = resolve_planetoid(name_or_path)
+    archive = npz_bytes_to_arrays(path.read_bytes(), path)  # CorruptFileError naming the file if damaged
+    arrays = {}
+    for name, (kind, rank) in _PLANETOID_ARRAYS.items():
+        if name not in archive:
+            raise ValueError(f"{path.name}: missing array {name!r} (has {sorted(archive)})")
+        array = archive[name]
+        if not np.issubdtype(array.dtype, kind) or array.ndim != rank:
+            raise ValueError(
+                f"{path.name}: array {name!r} must be {kind.__name__} of rank {rank}, "
+                f"got {array.dtype} with shape {array.shape}"
+            )
+        arrays[name] = array
     num_items = arrays["features"].shape[0]
     if arrays["labels"].shape != (num_items,):
         raise ValueError(f"{path.name}: labels must have shape ({num_items},), got {arrays['labels'].shape}")

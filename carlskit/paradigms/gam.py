@@ -21,12 +21,16 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
 
 Command line (prints one JSON object as its last line)::
 
-    python -m carlskit.paradigms.gam --data cora.npz [--seed S] [--workers N] [--rounds R] [--steps N]
+    python -m carlskit.paradigms.gam [--data cora] [--seed S] [--workers N] [--rounds R] [--steps N]
 """
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # answer --help and usage errors before JAX is imported (~0.3 s, not ~15 s)
+    from carlskit.paradigms._cli import parse_arguments
+
+    parse_arguments("gam")
+
 import functools
 import tempfile
 import time
@@ -42,7 +46,7 @@ from flax import nnx
 from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, neighbors_from_edges
 from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker
-from carlskit.paradigms._cli import makers_running, run_and_print
+from carlskit.paradigms._cli import makers_running, parse_arguments, run_and_print, say
 from carlskit.paradigms.graph_reg import MLP, _features, accuracy, batches, encode, load_data
 from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer, graph_regularization, masked_cross_entropy
 
@@ -178,7 +182,7 @@ def with_knn_edges(data: Dataset, k: int = 5) -> Dataset:
 
 
 def train(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
-          workdir: str | None = None, progress: bool = False, live: bool = False) -> dict:
+          workdir: str | None = None, progress: bool | str = False, live: bool = False) -> dict:
     """Co-train the agreement model and the classifier for ``config.rounds`` rounds with the bank
     and three makers (embeddings, agreement weights, self-labels). Returns accuracies per round,
     the self-labels' accuracy, maker statuses and both trainers' histories. ``live`` displays one
@@ -235,13 +239,15 @@ def _co_train(data, config, bank, client, slices, workdir, seed, progress, live)
             round_seed = seed * 1000 + round_index
             pairs = agreement_batches(features, working_labels, labelled, config.agreement_batch_size, round_seed)
             agreement.fit(functools.partial(_observed, pairs, refresh), config.agreement_steps,
-                          progress=progress, live=False)
+                          progress=progress and f"GAM round {round_index + 1}/{config.rounds}: agreement model",
+                          live=False)
             agreement.save_checkpoint()
             makers["agreement"][0].wait_for_version(agreement.step)
             source = batches(replace(data, labels=working_labels, train_idx=labelled), features, config,
                              round_seed, config.multiplier)
             classifier.fit(functools.partial(_observed, functools.partial(_with_degree, source, degree), refresh),
-                           config.classifier_steps, progress=progress, live=False)
+                           config.classifier_steps,
+                           progress=progress and f"GAM round {round_index + 1}/{config.rounds}: classifier", live=False)
             classifier.save_checkpoint()
             makers["self_labels"][0].wait_for_version(classifier.step)
             added = _accept_self_labels(bank, data, config, unlabelled, labelled, working_labels)
@@ -319,14 +325,14 @@ def _round_record(round_index, classifier, agreement, data, features, labelled, 
 
 
 def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
-            progress: bool = False) -> dict:
+            progress: bool | str = False) -> dict:
     """The plain MLP (same steps) against GAM co-training; the command's JSON fields."""
     from carlskit.paradigms.graph_reg import GraphRegConfig, train as train_mlp
 
     steps = config.rounds * config.classifier_steps
     mlp_config = GraphRegConfig(hidden=config.hidden, dropout=config.dropout, learning_rate=config.learning_rate,
                                 weight_decay=config.weight_decay, steps=steps, batch_size=config.batch_size)
-    base = train_mlp(data, mlp_config, regularize=False, seed=seed, progress=progress)
+    base = train_mlp(data, mlp_config, regularize=False, seed=seed, progress=progress and f"{data.name}: MLP alone")
     gam = train(data, config, seed=seed, client=client, num_shards=num_shards, progress=progress)
     return {
         "data": data.name, "base_test_acc": base["test_acc"], "gam_test_acc": gam["test_acc"],
@@ -339,19 +345,13 @@ def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = No
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", required=True, help="a Planetoid-style .npz file (with edges)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=0, help="Dask workers; 0 runs everything in-process")
-    parser.add_argument("--rounds", type=int, default=None)
-    parser.add_argument("--steps", type=int, default=None, help="classifier and agreement steps per round")
-    parser.add_argument("--progress", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_arguments("gam", argv)  # --data is already resolved to a file
     data = load_data(args.data, 0.05, args.seed)
+    say(f"gam: {data}", args.quiet)
     config = replace(GAMConfig(), **({"rounds": args.rounds} if args.rounds else {}),
                      **({"classifier_steps": args.steps, "agreement_steps": args.steps} if args.steps else {}))
     return run_and_print(args.workers, lambda client, num_shards: compare(
-        data, config, seed=args.seed, client=client, num_shards=num_shards, progress=args.progress))
+        data, config, seed=args.seed, client=client, num_shards=num_shards, progress=not args.quiet), quiet=args.quiet)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,11 @@ Command line (prints one JSON object as its last line)::
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # answer --help and usage errors before JAX is imported (~0.3 s, not ~15 s)
+    from carlskit.paradigms._cli import parse_arguments
+
+    parse_arguments("label_mining")
+
 import functools
 import tempfile
 import time
@@ -41,7 +45,7 @@ from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, load_digits
 from carlskit.makers import LabelMaker, Maker
 from carlskit.paradigms.graph_reg import MLP, accuracy
-from carlskit.paradigms._cli import makers_running, run_and_print
+from carlskit.paradigms._cli import makers_running, parse_arguments, run_and_print
 from carlskit.training import CheckpointStore, MinedLabels, Trainer, masked_cross_entropy, select_mined_labels
 
 
@@ -120,7 +124,7 @@ def noisy_digits(config: LabelMiningConfig, seed: int) -> tuple[Dataset, np.ndar
 
 
 def train(data: Dataset, noisy: np.ndarray, config: LabelMiningConfig, *, mining: bool, seed: int = 0,
-          client: Any = None, num_shards: int = 1, workdir: str | None = None, progress: bool = False,
+          client: Any = None, num_shards: int = 1, workdir: str | None = None, progress: bool | str = False,
           live: bool = False) -> dict:
     """Train one MLP on the noisy labels; with ``mining`` a label maker and the bank run beside it.
     ``live`` shows the trainer's live loss plot (notebooks)."""
@@ -163,12 +167,12 @@ def _result(trainer: Trainer, data: Dataset, started: float, extra: dict) -> dic
 
 
 def compare(config: LabelMiningConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
-            progress: bool = False) -> dict:
+            progress: bool | str = False) -> dict:
     """Noisy-only training vs. online label mining, same model, data and steps; the command's JSON."""
     data, noisy, corrupted = noisy_digits(config, seed)
-    base = train(data, noisy, config, mining=False, seed=seed, progress=progress)
+    base = train(data, noisy, config, mining=False, seed=seed, progress=progress and "noisy labels only")
     mined = train(data, noisy, config, mining=True, seed=seed, client=client, num_shards=num_shards,
-                  progress=progress)
+                  progress=progress and "with online label mining")
     last = mined["history"][-1]
     return {
         "data": "digits", "noise": config.noise, "corrupted": int(corrupted.sum()),
@@ -181,17 +185,12 @@ def compare(config: LabelMiningConfig, *, seed: int = 0, client: Any = None, num
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=0, help="Dask workers; 0 runs everything in-process")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--progress", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_arguments("label_mining", argv)
     config = LabelMiningConfig()
     if args.steps:
         config = replace(config, steps=args.steps, warmup_steps=min(config.warmup_steps, args.steps // 3))
     return run_and_print(args.workers, lambda client, num_shards: compare(
-        config, seed=args.seed, client=client, num_shards=num_shards, progress=args.progress))
+        config, seed=args.seed, client=client, num_shards=num_shards, progress=not args.quiet), quiet=args.quiet)
 
 
 if __name__ == "__main__":

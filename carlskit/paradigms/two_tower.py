@@ -36,7 +36,11 @@ Command line (prints one JSON object as its last line)::
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # answer --help and usage errors before JAX is imported (~0.3 s, not ~15 s)
+    from carlskit.paradigms._cli import parse_arguments
+
+    parse_arguments("two_tower")
+
 import functools
 import tempfile
 import time
@@ -52,7 +56,7 @@ from flax import nnx
 from carlskit.bank import KnowledgeBank
 from carlskit.data import VOCABULARY, PairedDataset, load_captioned_digits
 from carlskit.makers import EmbeddingMaker, Maker
-from carlskit.paradigms._cli import makers_running, run_and_print
+from carlskit.paradigms._cli import makers_running, parse_arguments, run_and_print
 from carlskit.training import BankNegatives, CheckpointStore, Trainer, check_embedding_dim, info_nce
 
 TABLES = {"image_emb": "images", "text_emb": "texts"}
@@ -158,7 +162,7 @@ def make_model(config: TwoTowerConfig, seed: int) -> TwoTower:
 
 
 def train(data: PairedDataset, config: TwoTowerConfig, num_negatives: int, *, seed: int = 0, client: Any = None,
-          num_shards: int = 1, workdir: str | None = None, progress: bool = False,
+          num_shards: int = 1, workdir: str | None = None, progress: bool | str = False,
           live: bool = False) -> dict:
     """Train the two towers with ``num_negatives`` bank negatives per batch (0: in-batch only, no
     bank or maker); an embedding maker refreshes the bank from each checkpoint. Returns held-out
@@ -203,12 +207,13 @@ def _result(trainer: Trainer, data: PairedDataset, started: float, extra: dict) 
 
 
 def compare(config: TwoTowerConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
-            progress: bool = False) -> dict:
+            progress: bool | str = False) -> dict:
     """Held-out recall of the untrained towers and of one training run per negatives count; the
     command's JSON fields (recall@1 / recall@10 keyed by the number of bank negatives)."""
     data = load_captioned_digits(config.num_items, num_test=config.num_test, seed=seed)
     untrained = recall_at(make_model(config, seed), data, data.test_idx)
-    runs = {n: train(data, config, n, seed=seed, client=client, num_shards=num_shards, progress=progress)
+    runs = {n: train(data, config, n, seed=seed, client=client, num_shards=num_shards,
+                     progress=progress and f"two towers, {n} bank negatives")
             for n in config.negatives}
     return {
         "data": data.name, "held_out_pairs": len(data.test_idx), "batch_size": config.batch_size,
@@ -224,18 +229,12 @@ def compare(config: TwoTowerConfig, *, seed: int = 0, client: Any = None, num_sh
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--negatives", type=int, nargs="+", default=None, help="bank negatives per batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=0, help="Dask workers; 0 runs everything in-process")
-    parser.add_argument("--steps", type=int, default=None)
-    parser.add_argument("--progress", action="store_true")
-    args = parser.parse_args(argv)
+    args = parse_arguments("two_tower", argv)
     config = TwoTowerConfig()
     config = replace(config, **({"negatives": tuple(args.negatives)} if args.negatives else {}),
                      **({"steps": args.steps} if args.steps else {}))
     return run_and_print(args.workers, lambda client, num_shards: compare(
-        config, seed=args.seed, client=client, num_shards=num_shards, progress=args.progress))
+        config, seed=args.seed, client=client, num_shards=num_shards, progress=not args.quiet), quiet=args.quiet)
 
 
 if __name__ == "__main__":

@@ -206,12 +206,13 @@ class Trainer:
         steps: int,
         *,
         block: bool = True,
-        progress: bool = True,
+        progress: bool | str = True,
         live: bool | None = None,
     ) -> list[dict] | FitHandle:
         """Train for ``steps`` steps on ``data`` (an iterable of batches or ``f(step) -> batch``).
 
-        Shows a tqdm progress bar and, in a notebook (``live=None``), a live loss plot. With
+        Shows a tqdm progress bar (labelled ``progress`` when it is a string, else "train"; on stderr
+        outside notebooks) and, in a notebook (``live=None``), a live loss plot. With
         ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
         Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
         Batches the pipeline prefetched but training did not reach are dropped at the end of a fit;
@@ -241,11 +242,17 @@ class Trainer:
             else:
                 plot = LivePlot("Trainer")
                 display(plot.widget)  # from the calling thread; the training thread only sets values
+        from tqdm.auto import tqdm
+
+        # Created here, in the calling thread: a notebook shows it in the cell that called fit, not in
+        # whichever cell runs when a background fit's thread starts.
+        bar = tqdm(total=steps, desc=progress if isinstance(progress, str) else "train", disable=not progress,
+                   leave=True)
         stop = threading.Event()
         self._fitting = True
         if block:
             try:
-                self._fit(data, steps, stop, progress, plot)
+                self._fit(data, steps, stop, bar, plot)
             finally:
                 self._fitting = False
             return self.history
@@ -253,7 +260,7 @@ class Trainer:
 
         def run():
             try:
-                self._fit(data, steps, stop, progress, plot)
+                self._fit(data, steps, stop, bar, plot)
             except BaseException as error:  # surfaced by handle.wait()
                 handle.error = error
             finally:
@@ -271,12 +278,13 @@ class Trainer:
         iterator = iter(data)
         return lambda: next(iterator)
 
-    def _fit(self, data, steps: int, stop: threading.Event, progress: bool, plot: LivePlot | None) -> None:
-        from tqdm.auto import tqdm
-
-        prefetcher = Prefetcher(self._source(data, self.step),
-                                with_bank_recovery(self.knowledge, self.bank_recoveries), self.prefetch)
-        bar = tqdm(total=steps, desc="train", disable=not progress, leave=True)
+    def _fit(self, data, steps: int, stop: threading.Event, bar: Any, plot: LivePlot | None) -> None:
+        try:
+            prefetcher = Prefetcher(self._source(data, self.step),
+                                    with_bank_recovery(self.knowledge, self.bank_recoveries), self.prefetch)
+        except BaseException:
+            bar.close()
+            raise
         try:
             for _ in range(steps):
                 if stop.is_set():

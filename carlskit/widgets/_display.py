@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import html
 import io
 import threading
@@ -29,6 +30,17 @@ def render_png(draw: Callable[[Figure], None], width_inches: float, height_inche
         return buffer.getvalue()
     finally:
         figure.clear()
+
+
+@functools.lru_cache(maxsize=8)
+def placeholder_png(text: str, width_inches: float = 6.0, height_inches: float = 0.5) -> bytes:
+    """A small PNG saying ``text``: an image widget's value before its first frame (an empty
+    ``ipywidgets.Image`` shows the browser's broken-image icon)."""
+
+    def draw(figure: Figure) -> None:
+        figure.text(0.5, 0.5, text, ha="center", va="center", color="0.45", style="italic")
+
+    return render_png(draw, width_inches, height_inches)
 
 
 def check_smoothing(weight: Any, name: str = "smoothing") -> float:

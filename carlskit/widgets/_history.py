@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from carlskit.widgets._display import check_smoothing, render_png, smooth
+from carlskit.widgets._display import check_smoothing, placeholder_png, render_png, smooth
 
 
 def in_notebook() -> bool:
@@ -38,9 +38,9 @@ class LivePlot:
         self.every_seconds = every_seconds
         self.smoothing = check_smoothing(smoothing)
         self.size = (width_inches, height_inches)
-        self.widget = ipywidgets.Image(format="png")
+        self.widget = ipywidgets.Image(value=placeholder_png(f"{title}: waiting for the first step"), format="png")
         self.renders = 0
-        self._last = 0.0
+        self._last = -float("inf")  # the first update always renders (monotonic time may start near 0 after boot)
         self._lock = threading.Lock()
 
     def update(self, series: dict[str, tuple[np.ndarray, np.ndarray]], *, force: bool = False) -> bool:

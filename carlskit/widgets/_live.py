@@ -14,7 +14,8 @@ import numpy as np
 
 from carlskit.summaries import SummaryReader
 from carlskit.widgets._display import (
-    PeriodicThread, WidgetDisplay, check_smoothing, html_table, png_img_tag, render_png, smooth, text_table,
+    PeriodicThread, WidgetDisplay, check_smoothing, html_table, placeholder_png, png_img_tag, render_png, smooth,
+    text_table,
 )
 
 
@@ -75,7 +76,8 @@ class LiveSummaries(WidgetDisplay):
         self.latest: dict[str, dict[str, float]] = {}
         self.renders = 0
 
-        self.image = ipywidgets.Image(format="png", layout=ipywidgets.Layout(width="100%", max_width="900px"))
+        self.image = ipywidgets.Image(value=placeholder_png("waiting for the first summaries"), format="png",
+                                      layout=ipywidgets.Layout(width="100%", max_width="900px"))
         self.smoothing_slider = ipywidgets.FloatSlider(
             value=smoothing, min=0.0, max=0.999, step=0.01, description="smoothing",
             continuous_update=False)
@@ -93,8 +95,8 @@ class LiveSummaries(WidgetDisplay):
 
     @property
     def png(self) -> bytes:
-        """The PNG currently shown."""
-        return bytes(self.image.value)
+        """The PNG currently shown; empty before the first frame (the widget shows a placeholder)."""
+        return bytes(self.image.value) if self.renders else b""
 
     # -- settings ------------------------------------------------------------------------------
     @property

@@ -1,0 +1,53 @@
+"""Trainer.fit's progress bar: labelled with what it trains, and created in the calling thread (so a
+notebook shows a background fit's bar under the cell that started it)."""
+
+from __future__ import annotations
+
+import threading
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tqdm.auto
+from flax import nnx
+
+from carlskit.training import Trainer
+
+
+class Linear(nnx.Module):
+    def __init__(self):
+        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
+
+    def __call__(self, x):
+        return self.linear(x)[:, 0]
+
+
+def mse(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
+
+
+def batch(step):
+    x = np.random.default_rng(step).normal(size=(8, 4)).astype(np.float32)
+    return {"x": x, "y": x.sum(axis=1)}
+
+
+def test_a_string_labels_the_bar_on_stderr(capsys):
+    Trainer(Linear(), optax.sgd(0.01), mse).fit(batch, 3, progress="linear model on sums")
+    assert "linear model on sums: 100%" in capsys.readouterr().err
+    Trainer(Linear(), optax.sgd(0.01), mse).fit(batch, 3, progress=True)
+    assert "train: 100%" in capsys.readouterr().err
+
+
+def test_a_background_fits_bar_is_created_in_the_calling_thread(monkeypatch):
+    created_in = []
+    original = tqdm.auto.tqdm
+
+    class Recording(original):
+        def __init__(self, *args, **kwargs):
+            created_in.append(threading.current_thread())
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(tqdm.auto, "tqdm", Recording)
+    handle = Trainer(Linear(), optax.sgd(0.01), mse).fit(batch, 5, block=False, progress="background", live=False)
+    handle.wait()
+    assert created_in == [threading.current_thread()]
