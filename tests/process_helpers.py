@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import pathlib
 import time
 
 import psutil
@@ -43,3 +46,42 @@ def kill_worker(client, address: str) -> int:
     pid = client.run(os.getpid, workers=[address])[address]
     os.kill(pid, signal.SIGKILL)
     return pid
+
+
+@contextlib.contextmanager
+def checkout_cluster(n_workers: int = 2):
+    """A ``distributed.Client`` of a LocalCluster whose worker processes import this checkout (its
+    root is put on ``PYTHONPATH`` while the cluster runs, then restored)."""
+    import distributed
+
+    root = str(pathlib.Path(__file__).resolve().parents[1])
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, old_path]))
+    cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
+                                       dashboard_address=None)
+    client = distributed.Client(cluster)
+    try:
+        client.wait_for_workers(n_workers, timeout=120)  # under load, workers may register after start-up
+        yield client
+    finally:
+        client.close()
+        cluster.close()
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+
+
+@contextlib.contextmanager
+def connected_cluster(n_workers: int = 2):
+    """``carlskit.connect(n_workers=...)``'s embedded cluster; fails if it leaves processes behind."""
+    import carlskit
+
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    client = carlskit.connect(n_workers=n_workers)
+    try:
+        yield client
+    finally:
+        client.close()
+    leftovers = wait_for_no_children(before)
+    assert not leftovers, f"cluster left processes running: {leftovers}"

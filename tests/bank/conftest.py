@@ -1,31 +1,18 @@
 import json
-import os
 import pathlib
 
 import numpy as np
 import pytest
+from process_helpers import checkout_cluster
 
 
-REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def client():
     """A 2-worker LocalCluster per test module (worker processes import this checkout)."""
-    distributed = pytest.importorskip("distributed")
-    old_path = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), old_path]))
-    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
-                                       dashboard_address=None)
-    dask_client = distributed.Client(cluster)
-    dask_client.wait_for_workers(2, timeout=120)  # under load, workers may register after start-up
-    yield dask_client
-    dask_client.close()
-    cluster.close()
-    if old_path is None:
-        os.environ.pop("PYTHONPATH", None)
-    else:
-        os.environ["PYTHONPATH"] = old_path
+    with checkout_cluster(2) as dask_client:
+        yield dask_client
 
 
 class FakeClock:

@@ -16,10 +16,10 @@ import numpy as np
 import psutil
 import pytest
 
-import carlskit
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._supervised import RestartPolicy
 from carlskit.summaries import SummaryReader, SummaryWriter, shard_of
+from process_helpers import connected_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -28,14 +28,8 @@ POINTS = 60_000
 
 @pytest.fixture
 def client():
-    from process_helpers import wait_for_no_children
-
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
-    client = carlskit.connect(n_workers=2)
-    yield client
-    client.close()
-    leftovers = wait_for_no_children(before)
-    assert not leftovers, f"cluster left processes running: {leftovers}"
+    with connected_cluster(2) as client:
+        yield client
 
 
 def names_on_both_shards(per_shard: int = 4) -> list[str]:

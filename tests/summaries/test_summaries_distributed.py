@@ -4,25 +4,18 @@ from __future__ import annotations
 
 import time
 
-import psutil
 import pytest
 
-import carlskit
 from carlskit.summaries import SummaryReader, SummaryWriter, shard_of
+from process_helpers import connected_cluster
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def client():
-    from process_helpers import wait_for_no_children
-
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
-    client = carlskit.connect(n_workers=2)
-    yield client
-    client.close()
-    leftovers = wait_for_no_children(before)
-    assert not leftovers, f"cluster left processes running: {leftovers}"
+    with connected_cluster(2) as client:
+        yield client
 
 
 def log_from_task(writer: SummaryWriter, task: int, points: int) -> int:
