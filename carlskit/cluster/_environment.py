@@ -28,6 +28,8 @@ from typing import Any
 
 from distributed.diagnostics.plugin import WorkerPlugin
 
+from carlskit._checks import positive_int
+
 logger = logging.getLogger(__name__)
 
 _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -66,8 +68,7 @@ def worker_environment(threads: int = 1, platform: str | None = None,
       A dict of variable names to string values: thread limits, no GPU memory preallocation (so
       several processes can share one accelerator), and the platform when one is given.
     """
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-        raise ValueError(f"threads must be a positive int, got {threads!r}")
+    positive_int(threads, "threads")
     environment = {name: str(threads) for name in _THREAD_VARIABLES}
     environment["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     flags = []

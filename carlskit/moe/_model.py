@@ -13,7 +13,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from carlskit._checks import positive_float, positive_int
+from carlskit._checks import finite_float, integer, positive_float, positive_int
 
 from ._dispatch import DISPATCH_MODES
 from ._gating import SECOND_EXPERT_POLICIES, experts_per_token
@@ -63,8 +63,7 @@ class MoEModel(nnx.Module):
         for name, value in (("vocab_size", vocab_size), ("num_layers", num_layers), ("d_model", d_model),
                             ("num_heads", num_heads), ("max_length", max_length)):
             positive_int(value, name)
-        if isinstance(num_experts, bool) or not isinstance(num_experts, (int, np.integer)) or num_experts < 0:
-            raise ValueError(f"num_experts must be an int >= 0 (0 = dense baseline), got {num_experts!r}")
+        integer(num_experts, "num_experts", minimum=0)  # 0 = the dense baseline
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
         # Checked here even when unused (num_experts=0), so a typo never passes silently.
@@ -81,10 +80,7 @@ class MoEModel(nnx.Module):
         if group_size is not None:
             positive_int(group_size, "group_size")
         for name, value in (("aux_loss_weight", aux_loss_weight), ("z_loss_weight", z_loss_weight)):
-            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or not (
-                0 <= value < np.inf
-            ):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+            finite_float(value, name, minimum=0.0)
         if mesh is not None:
             if not isinstance(mesh, Mesh) or not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
                 raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", got {mesh!r}')
@@ -224,10 +220,8 @@ class MoEModel(nnx.Module):
         """
         # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
         batch_size = positive_int(batch_size, "batch_size")
-        if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 0:
-            raise ValueError(f"steps must be an int >= 0, got {steps!r}")
-        if isinstance(eval_every, bool) or not isinstance(eval_every, (int, np.integer)) or eval_every < 0:
-            raise ValueError(f"eval_every must be an int >= 0 (0 = never), got {eval_every!r}")
+        integer(steps, "steps", minimum=0)
+        integer(eval_every, "eval_every", minimum=0)  # 0 = never
         if optimizer is None:
             positive_float(learning_rate, "learning_rate")
         data = self._check_tokens(np.asarray(tokens), "tokens")
@@ -313,12 +307,8 @@ class MoEModel(nnx.Module):
         position can take second-choice slots; generation is approximate for tight capacity.
         """
         prompt = self._check_tokens(np.asarray(prompt), "prompt", min_length=1)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.integer, np.floating)) or not (
-            0 <= temperature < np.inf
-        ):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+        integer(max_new_tokens, "max_new_tokens", minimum=0)
+        finite_float(temperature, "temperature", minimum=0.0)  # 0 = greedy
         total = prompt.shape[1] + max_new_tokens
         if total > self.max_length:
             raise ValueError(f"prompt + max_new_tokens = {total} exceeds max_length={self.max_length}")

@@ -76,11 +76,22 @@ def test_results_of_one_shard_are_the_callers_to_write(client):
     kb.create_table("emb", dim=DIM)
     kb.create_feature_table("nbrs", {"ids": ("int64", 2)})
     values, found = kb.lookup("emb", np.arange(4), insert_missing=True)
-    values += 1.0
-    found[:] = False
+    saved_values, saved_found = values.copy(), found.copy()
     records, _ = kb.lookup("nbrs", np.arange(4))
-    records["ids"][:] = 0
-    kb.row_metadata("emb", np.arange(4))["version"][:] = 0
+    saved_ids = records["ids"].copy()
+    metadata = kb.row_metadata("emb", np.arange(4))
+    saved_versions = metadata["version"].copy()
+    values += 1.0
+    found[:] = ~found
+    records["ids"][:] = 7
+    metadata["version"][:] = 12345
+    # The caller's writes above changed its own arrays only: the bank answers as before.
+    again, found_again = kb.lookup("emb", np.arange(4))
+    np.testing.assert_array_equal(again, saved_values)
+    np.testing.assert_array_equal(found_again, np.ones(4, bool))
+    np.testing.assert_array_equal(kb.lookup("nbrs", np.arange(4))[0]["ids"], saved_ids)
+    np.testing.assert_array_equal(kb.row_metadata("emb", np.arange(4))["version"], saved_versions)
+    assert not saved_found.any()  # the first lookup inserted the rows
     kb.close()
 
 

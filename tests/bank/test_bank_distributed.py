@@ -149,29 +149,6 @@ def test_snapshot_between_modes(client, tmp_path, bank_contents, assert_same_con
     back.close()
 
 
-def test_lost_shard_worker_is_named_and_snapshot_restores(client, tmp_path):
-    """Runs last: kills a worker (its nanny restarts it)."""
-    kb = KnowledgeBank(client, num_shards=2)
-    keys = fill(kb)
-    kb.save(tmp_path / "snap")
-    expected, _ = kb.lookup("emb", keys)
-    worker_pid = client.run(os.getpid, workers=[kb.shard_workers[1]])[kb.shard_workers[1]]
-    os.kill(worker_pid, signal.SIGKILL)
-    with pytest.raises(ShardLostError, match="shard 1 of 2"):
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:  # until the death is noticed
-            kb.lookup("emb", keys)
-            time.sleep(0.02)
-    dead = kb.shard_workers[1]
-    for _ in range(600):  # the scheduler forgets the dead worker (its nanny restarts it later)
-        if dead not in client.scheduler_info(n_workers=-1)["workers"]:
-            break
-        time.sleep(0.05)
-    restored = KnowledgeBank.load(tmp_path / "snap", client=client)  # on the workers alive now
-    np.testing.assert_array_equal(restored.lookup("emb", keys)[0], expected)
-    restored.close()
-
-
 def test_batches_in_flight_match_blocking_calls(client, bank_contents, assert_same_contents):
     """lookup_async / apply_gradients_async with several batches in flight give what the blocking
     calls give; the caller may overwrite its buffers at once; bad input raises before sending."""
@@ -252,3 +229,28 @@ def test_shard_workers_reuse_memory_for_batch_results(client, direct):
     pages_per_result = 4096 * 64 * 4 // 4096
     assert faults < calls * pages_per_result // 4, faults  # measured: 6859 without the fix
     kb.close()
+
+
+def test_lost_shard_worker_is_named_and_snapshot_restores(client, tmp_path):
+    """Kills a worker of the module's cluster, so it is defined last in this file (pytest runs a
+    module's tests in file order): no test shares the cluster after the kill."""
+    kb = KnowledgeBank(client, num_shards=2)
+    keys = fill(kb)
+    kb.save(tmp_path / "snap")
+    expected, _ = kb.lookup("emb", keys)
+    worker_pid = client.run(os.getpid, workers=[kb.shard_workers[1]])[kb.shard_workers[1]]
+    os.kill(worker_pid, signal.SIGKILL)
+    with pytest.raises(ShardLostError, match="shard 1 of 2"):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # until the death is noticed
+            kb.lookup("emb", keys)
+            time.sleep(0.02)
+    dead = kb.shard_workers[1]
+    deadline = time.monotonic() + 60
+    while dead in client.scheduler_info(n_workers=-1)["workers"]:  # the scheduler forgets the dead worker
+        if time.monotonic() > deadline:  # (its nanny restarts it later under a new address)
+            pytest.fail(f"the scheduler still lists the killed worker {dead} after 60 s")
+        time.sleep(0.05)
+    restored = KnowledgeBank.load(tmp_path / "snap", client=client)  # on the workers alive now
+    np.testing.assert_array_equal(restored.lookup("emb", keys)[0], expected)
+    restored.close()

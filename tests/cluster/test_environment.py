@@ -20,9 +20,10 @@ def test_single_thread_turns_off_xla_eigen_threads_and_sets_platform():
     assert environment["JAX_PLATFORMS"] == "cpu"
 
 
-@pytest.mark.parametrize("threads", [0, -1, 1.5, True, "2"])
-def test_bad_threads_is_a_value_error(threads):
-    with pytest.raises(ValueError, match="threads"):
+@pytest.mark.parametrize("threads, error", [(0, ValueError), (-1, ValueError), (1.5, TypeError),
+                                            (True, TypeError), ("2", TypeError)])
+def test_bad_threads_is_a_type_error_for_a_non_int_and_a_value_error_below_one(threads, error):
+    with pytest.raises(error, match="threads"):
         worker_environment(threads=threads)
 
 

@@ -13,7 +13,10 @@ def test_vectorized_and_serial_training_give_same_losses():
     serial = np.asarray(train_tasks_serial(rule, task, meta_params, keys, 6))
     assert vectorized.shape == (3, 6)
     np.testing.assert_allclose(vectorized, serial, rtol=2e-5, atol=1e-6)
-    assert np.all(vectorized[:, -1] < vectorized[:, 0])  # and it trains
+    # And it trains: final / first loss per instance measured 0.62/0.87/0.51 here (key 1; keys 2 and 3:
+    # at most 0.75 and 0.69 mean), mean 0.67 (0.61, 0.58): each instance below 0.95, the mean below 0.8.
+    ratios = vectorized[:, -1] / vectorized[:, 0]
+    assert np.all(ratios < 0.95) and ratios.mean() < 0.8, ratios
 
 
 def test_unroll_in_prefetch_chunks_matches_step_by_step():

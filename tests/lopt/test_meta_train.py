@@ -22,8 +22,10 @@ def test_meta_training_lowers_outer_loss():
     before = start.train_curves(task, 20, num_tasks=32, seed=99).mean()
     after = trained.train_curves(task, 20, num_tasks=32, seed=99).mean()
     assert after < 0.8 * before, (before, after)
+    # after / before measured 0.763 here (init keys 1 and 2: 0.789, 0.797). The PES outer loss is
+    # noisy and its truncations restart: the last ten over the first ten measured 0.955 (0.974, 0.987).
     first, last = np.mean(trained.history["outer_loss"][:10]), np.mean(trained.history["outer_loss"][-10:])
-    assert last < first
+    assert last < 0.98 * first, (first, last)
 
 
 def test_meta_train_validates_arguments():

@@ -21,21 +21,21 @@ def context(items, bank=None):
     return MakerContext(np.asarray(items, np.int64), 1, {}, {}, bank, 0)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"num_slices": 2.5}, "num_slices must be a positive int, got 2.5"),
-    ({"num_slices": 0}, "num_slices must be a positive int, got 0"),
-    ({"poll_seconds": 0}, "poll_seconds must be a finite number > 0"),
-    ({"poll_seconds": float("nan")}, "poll_seconds"),
-    ({"restart_policy": -1}, "restart_policy must be a finite number > 0, got -1"),
-    ({"restart_policy": float("inf")}, "restart_policy must be finite"),
-    ({"restart_policy": "60"}, "restart_policy must be a RestartPolicy or a budget in seconds, got str"),
-    ({"restart_policy": 5}, None),
+@pytest.mark.parametrize("kwargs, error, message", [
+    ({"num_slices": 2.5}, TypeError, "num_slices must be a positive int, got 2.5"),
+    ({"num_slices": 0}, ValueError, "num_slices must be a positive int, got 0"),
+    ({"poll_seconds": 0}, ValueError, "poll_seconds must be a finite number > 0"),
+    ({"poll_seconds": float("nan")}, ValueError, "poll_seconds"),
+    ({"restart_policy": -1}, ValueError, "restart_policy must be a finite number > 0, got -1"),
+    ({"restart_policy": float("inf")}, ValueError, "restart_policy must be finite"),
+    ({"restart_policy": "60"}, TypeError, "restart_policy must be a RestartPolicy or a budget in seconds, got str"),
+    ({"restart_policy": 5}, None, None),
 ])
-def test_maker_arguments_are_checked_at_construction(kwargs, message):
+def test_maker_arguments_are_checked_at_construction(kwargs, error, message):
     if message is None:  # accepted: a budget in seconds becomes the default policy with that budget
         assert Maker(write_nothing, np.arange(4), **kwargs).restart_policy == RestartPolicy(budget_seconds=5.0)
         return
-    with pytest.raises((TypeError, ValueError), match=message):  # TypeError for a non-int
+    with pytest.raises(error, match=message):  # TypeError for a wrong type, ValueError for a bad value
         Maker(write_nothing, np.arange(4), **kwargs)
 
 

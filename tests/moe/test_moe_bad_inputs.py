@@ -49,19 +49,19 @@ def test_out_of_vocabulary_tokens_raise_and_leave_the_model_unchanged():
 
 
 @pytest.mark.parametrize(
-    "kwargs, name",
+    "kwargs, name, error",
     [
-        (dict(batch_size=0), "batch_size"),
-        (dict(steps=1.5), "steps"),
-        (dict(learning_rate=float("nan")), "learning_rate"),
-        (dict(eval_every=-1), "eval_every"),
+        (dict(batch_size=0), "batch_size", ValueError),
+        (dict(steps=1.5), "steps", TypeError),
+        (dict(learning_rate=float("nan")), "learning_rate", ValueError),
+        (dict(eval_every=-1), "eval_every", ValueError),
     ],
 )
-def test_fit_checks_arguments_before_training(kwargs, name):
+def test_fit_checks_arguments_before_training(kwargs, name, error):
     model = tiny()
     before = parameters(model)
     tokens = np.random.default_rng(0).integers(0, VOCAB, (4, LENGTH + 1))
-    with pytest.raises((TypeError, ValueError), match=name):  # TypeError for a value of the wrong type
+    with pytest.raises(error, match=name):  # TypeError for a wrong type, ValueError for a bad value
         model.fit(tokens, **{"steps": 1, "batch_size": 2, **kwargs})
     for after, expected in zip(parameters(model), before):
         np.testing.assert_array_equal(after, expected)
@@ -85,23 +85,23 @@ def test_generate_and_evaluate_check_arguments():
 
 
 @pytest.mark.parametrize(
-    "kwargs, name",
+    "kwargs, name, error",
     [
-        (dict(capacity_factor=0.0), "capacity_factor"),
-        (dict(group_size=0), "group_size"),  # silently meant "one group per sequence"
-        (dict(group_size=-3), "group_size"),
-        (dict(ffn_dim=0), "ffn_dim"),  # silently meant 4 * d_model
-        (dict(num_experts=2.5), "num_experts"),
-        (dict(num_experts=0, dispatch="nope"), "dispatch"),
-        (dict(num_experts=0, capacity_factor=-1.0), "capacity_factor"),
-        (dict(aux_loss_weight=float("nan")), "aux_loss_weight"),
-        (dict(d_model=10, num_heads=3), "num_heads"),
-        (dict(vocab_size=True), "vocab_size"),
-        (dict(num_experts=1), "num_experts >= 2"),  # top-2 would send each token twice to one expert
+        (dict(capacity_factor=0.0), "capacity_factor", ValueError),
+        (dict(group_size=0), "group_size", ValueError),  # silently meant "one group per sequence"
+        (dict(group_size=-3), "group_size", ValueError),
+        (dict(ffn_dim=0), "ffn_dim", ValueError),  # silently meant 4 * d_model
+        (dict(num_experts=2.5), "num_experts", TypeError),
+        (dict(num_experts=0, dispatch="nope"), "dispatch", ValueError),
+        (dict(num_experts=0, capacity_factor=-1.0), "capacity_factor", ValueError),
+        (dict(aux_loss_weight=float("nan")), "aux_loss_weight", ValueError),
+        (dict(d_model=10, num_heads=3), "num_heads", ValueError),
+        (dict(vocab_size=True), "vocab_size", TypeError),
+        (dict(num_experts=1), "num_experts >= 2", ValueError),  # top-2 would send each token twice to one expert
     ],
 )
-def test_model_constructor_rejects_bad_configuration(kwargs, name):
-    with pytest.raises((TypeError, ValueError), match=name):  # TypeError for a value of the wrong type
+def test_model_constructor_rejects_bad_configuration(kwargs, name, error):
+    with pytest.raises(error, match=name):  # TypeError for a wrong type, ValueError for a bad value
         tiny(**kwargs)
 
 
@@ -118,16 +118,16 @@ def test_gating_checks_static_shapes_and_capacity():
 
 
 @pytest.mark.parametrize(
-    "args, name",
+    "args, name, error",
     [
-        ((4, 2, float("inf")), "capacity_factor"),
-        ((4.5, 2, 1.0), "group_size"),  # was silently accepted
-        (("4", 2, 1.0), "group_size"),
-        ((4, 2, "1"), "capacity_factor"),
+        ((4, 2, float("inf")), "capacity_factor", ValueError),
+        ((4.5, 2, 1.0), "group_size", TypeError),  # was silently accepted
+        (("4", 2, 1.0), "group_size", TypeError),
+        ((4, 2, "1"), "capacity_factor", TypeError),
     ],
 )
-def test_expert_capacity_names_bad_arguments(args, name):
-    with pytest.raises((TypeError, ValueError), match=name):  # TypeError for a value of the wrong type
+def test_expert_capacity_names_bad_arguments(args, name, error):
+    with pytest.raises(error, match=name):  # TypeError for a wrong type, ValueError for a bad value
         expert_capacity(*args)
 
 

@@ -13,7 +13,8 @@ import optax
 from carlskit.bank import KnowledgeBank
 from carlskit.data import load_digits, neighbors_from_edges
 from carlskit.makers import AgreementMaker, Maker
-from carlskit.paradigms import gam
+from carlskit.paradigms import gam, graph_reg
+from carlskit.paradigms.graph_reg import GraphRegConfig
 from carlskit.training import CheckpointStore, Trainer
 
 
@@ -112,7 +113,15 @@ def test_small_co_training_run_grows_the_labelled_set_from_confident_self_labels
     assert rounds[-1]["self_label_acc"] > 0.8, "the most confident self-labels are mostly right"
     assert any(r.get("graph", 0) > 0 for r in result["history"]), "the agreement-weighted regularizer was active"
     assert 0 < result["history"][-1]["mean_agreement"] <= 1
-    assert result["test_acc"] > 0.75
+    # The plain MLP with the same data, seed, steps and classifier (what gam.compare trains). Measured
+    # on this config (training seeds 0/1): GAM 0.870/0.870 vs MLP 0.766/0.777 test accuracy, a gain
+    # of 0.104/0.093; the margin 0.05 is half of that. At this size the gain comes mostly from the
+    # self-labels: with the agreement weights zeroed it still holds, and only the "regularizer was
+    # active" assert above fails (checked by a temporary edit), so this asserts co-training's gain.
+    mlp_config = GraphRegConfig(hidden=config.hidden, dropout=config.dropout, learning_rate=config.learning_rate,
+                                weight_decay=config.weight_decay, steps=result["steps"], batch_size=config.batch_size)
+    base = graph_reg.train(data, mlp_config, regularize=False, seed=0)
+    assert result["test_acc"] >= base["test_acc"] + 0.05, (result["test_acc"], base["test_acc"])
     with pytest.raises(ValueError, match="GAM needs a graph"):
         gam.train(load_digits(0.05), config)
 

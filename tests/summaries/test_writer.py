@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 def python_process(code: str, *args: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
-    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env,
+    return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code), *args], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -32,6 +32,10 @@ WRITER = """
     logdir, batches, points = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     with SummaryWriter(logdir, flush_every_seconds=0.05) as writer:
         for batch in range(batches):
+            if batch == batches // 2:  # pause half-way until the test has seen both readers read
+                writer.flush()
+                print("half", flush=True)
+                assert sys.stdin.readline().strip() == "go"
             for index in range(points):
                 step = batch * points + index
                 writer.scalar("train/loss", (step % 97) / 7.0 - 3.0, step)
@@ -45,9 +49,13 @@ READER = """
     import sys, time
     import numpy as np
     from carlskit.summaries import SummaryReader
-    logdir, total = sys.argv[1], int(sys.argv[2])
+    logdir, half, total = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     reader = SummaryReader(logdir)
     seen, refreshes, deadline = 0, 0, time.monotonic() + 60
+    while seen < half and time.monotonic() < deadline:  # the writer is paused at half
+        seen = len(reader.scalars("train/loss"))
+        time.sleep(0.01)
+    print("mid", seen, flush=True)  # read while the writer is still running
     while seen < total and time.monotonic() < deadline:
         seen = len(reader.scalars("train/loss"))  # incremental: only new bytes are read
         refreshes += 1
@@ -65,13 +73,27 @@ READER = """
 def test_writer_and_readers_in_separate_processes_read_back_everything_exactly(tmp_path):
     batches, points = 40, 250
     total = batches * points
+    half = batches // 2 * points
+    # Synchronised by events, not by timing: the writer pauses half-way (flushed) until both
+    # readers have read exactly that half, so they read a log that is still being written.
     writer = python_process(WRITER, str(tmp_path), str(batches), str(points))
-    readers = [python_process(READER, str(tmp_path), str(total)) for _ in range(2)]
-    outputs = [process.communicate(timeout=90) for process in [writer, *readers]]
+    readers = [python_process(READER, str(tmp_path), str(half), str(total)) for _ in range(2)]
+    try:
+        assert writer.stdout.readline().strip() == "half", writer.stderr.read()
+        assert [reader.stdout.readline().split() for reader in readers] == [["mid", str(half)]] * 2
+        assert writer.poll() is None  # still running, paused
+        writer.stdin.write("go\n")
+        writer.stdin.flush()
+        outputs = [process.communicate(timeout=90) for process in [writer, *readers]]
+    finally:
+        for process in [writer, *readers]:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     for process, (out, err) in zip([writer, *readers], outputs):
         assert process.returncode == 0, err
     refreshes = [int(out.split()[1]) for out, _ in outputs[1:]]
-    assert all(count > 1 for count in refreshes), "readers should have read while writing"
+    assert all(count >= 1 for count in refreshes), "readers should have read the second half incrementally"
     texts = SummaryReader(tmp_path).texts("notes")
     assert texts["text"].tolist() == [f"batch {batch} done" for batch in range(batches)]
 
