@@ -277,7 +277,8 @@ class MoEModel(nnx.Module):
         (default Adam with ``learning_rate``); parameters are updated in place.
 
         Returns the history: per step ``loss``, ``cross_entropy``, ``aux_loss``, drop fractions,
-        ``expert_load``; ``eval_loss`` every ``eval_every`` steps (if ``eval_tokens``).
+        ``expert_load``, ``seconds`` (training wall time since the start, evaluations excluded);
+        ``eval_loss`` (validation cross-entropy, nats) every ``eval_every`` steps (if ``eval_tokens``).
         """
         # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
         batch_size = positive_int(batch_size, "batch_size")
@@ -313,8 +314,10 @@ class MoEModel(nnx.Module):
             )
             record = {k: np.asarray(v) for k, v in metrics.items()}
             if eval_tokens is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                evaluation_started = time.perf_counter()
                 nnx.update(self, state)
                 record["eval_loss"] = self.evaluate(eval_tokens, batch_size=batch_size)["cross_entropy"]
+                started += time.perf_counter() - evaluation_started  # "seconds" counts training only
             history["step"].append(step)
             history["seconds"].append(time.perf_counter() - started)
             for key, value in record.items():
