@@ -82,6 +82,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
     parser.add_argument("--only", choices=("layers", "text"), default=None, help="run one part only")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the text comparison")
+    parser.add_argument("--jobs", type=int, default=1, help="processes for the text comparison (one seed each)")
     args = parser.parse_args()
     small = args.small
     groups, group_size, d_model, hidden = (4, 128, 32, 128) if small else (8, 256, 64, 256)
@@ -94,19 +95,34 @@ def main() -> None:
     if args.only != "text":
         layer_benchmarks(result, x, small, rounds)
     if args.only != "layers":
-        text_benchmark(result, small, args.seeds)
+        text_benchmark(result, small, args.seeds, args.jobs)
     result["small"] = small
     print(json.dumps(result))
 
 
-def text_benchmark(result: dict, small: bool, seeds: int) -> None:
-    """MoE (8, 32 experts) vs dense of equal per-token FLOPs on real text, ``seeds`` seeds."""
-    def report(run):
-        print(f"[text] seed {run['seed']} experts {run['num_experts']}: validation bpb "
-              f"{[round(b, 3) for b in run['validation_bpb']]} at steps {run['steps']}, "
-              f"{run['seconds'][-1]:.1f} s training", flush=True)
+def _report(run: dict) -> None:
+    print(f"[text] seed {run['seed']} experts {run['num_experts']}: validation bpb "
+          f"{[round(b, 3) for b in run['validation_bpb']]} at steps {run['steps']}, "
+          f"{run['seconds'][-1]:.1f} s training", flush=True)
 
-    runs = text_lm_comparison((0, 8, 32), seeds=range(seeds), size="small" if small else "full", callback=report)
+
+def _text_seed(seed: int, size: str) -> list[dict]:
+    """One seed's runs (a process-pool task: module-level so spawn can import it)."""
+    return text_lm_comparison((0, 8, 32), seeds=(seed,), size=size, callback=_report)
+
+
+def text_benchmark(result: dict, small: bool, seeds: int, jobs: int = 1) -> None:
+    """MoE (8, 32 experts) vs dense of equal per-token FLOPs on real text, ``seeds`` seeds
+    (``jobs`` > 1: seeds in parallel processes, so training wall times are then shared-CPU times)."""
+    size = "small" if small else "full"
+    if jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            runs = [run for seed_runs in pool.map(_text_seed, range(seeds), [size] * seeds) for run in seed_runs]
+    else:
+        runs = text_lm_comparison((0, 8, 32), seeds=range(seeds), size=size, callback=_report)
     final = {}
     for run in runs:
         final.setdefault(run["num_experts"], []).append(run["validation_bpb"][-1])
@@ -121,6 +137,12 @@ def text_benchmark(result: dict, small: bool, seeds: int) -> None:
     }
     result["text_steps"] = runs[0]["steps"][-1]
     result["text_seeds"] = seeds
+    result["text_jobs"] = jobs
+    result["text_bpb_curves"] = {
+        f"E{r['num_experts']}_seed{r['seed']}": {"steps": r["steps"], "seconds": [round(t, 2) for t in r["seconds"]],
+                                                 "bpb": [round(b, 4) for b in r["validation_bpb"]]}
+        for r in runs
+    }
 
 
 def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> None:
