@@ -11,6 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from carlskit._checks import positive_int
+
 from ._data import BYTE_VOCAB_SIZE, PAD_ID, stdlib_text_corpus
 from ._model import MoEModel
 
@@ -33,6 +35,7 @@ def text_lm_comparison(
     capacity_factor: float = 1.25,
     second_expert_policy: str = "all",
     dtype: Any = jnp.float32,
+    steps: int | None = None,
     callback: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Train byte-level LMs on :func:`~carlskit.moe.stdlib_text_corpus` and track validation
@@ -49,11 +52,13 @@ def text_lm_comparison(
     Returns one dict per run: ``num_experts``, ``seed``, ``parameters``, ``steps`` (evaluation
     points), ``seconds`` (training wall time at those points, evaluation excluded),
     ``validation_bpb``, ``history`` (the full :meth:`~carlskit.moe.MoEModel.fit` history).
-    ``callback(run)`` is called after each run.
+    ``callback(run)`` is called after each run; ``steps`` overrides the size's step count.
     """
     if size not in TEXT_LM_SIZES:
         raise ValueError(f"size must be one of {tuple(TEXT_LM_SIZES)}, got {size!r}")
-    config = TEXT_LM_SIZES[size]
+    config = dict(TEXT_LM_SIZES[size])
+    if steps is not None:
+        config["steps"] = positive_int(steps, "steps")
     train, validation = stdlib_text_corpus(config["length"])
     validation = validation[: config["validation_rows"]]
     runs = []
