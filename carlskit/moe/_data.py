@@ -59,15 +59,20 @@ def stdlib_text_documents() -> list[bytes]:
     (about 466 KB for Python 3.11): real English technical prose with code, present in every
     standard CPython installation, so nothing is downloaded (the content depends on the Python
     version, the same for every installation of one version). Split at blank lines into
-    paragraphs: documents of very different lengths (tens of bytes to a few KB).
+    paragraphs, each distinct paragraph once: documents of very different lengths (tens of bytes
+    to a few KB).
     """
     from pydoc_data.topics import topics
 
-    documents = []
+    documents, seen = [], set()
     for name in sorted(topics):
         for paragraph in topics[name].split("\n\n"):
-            if paragraph.strip():
-                documents.append(paragraph.strip("\n").encode("utf-8"))
+            document = paragraph.strip("\n").encode("utf-8")
+            # A fifth of the paragraphs repeat elsewhere (shared notes, headings, grammar lines):
+            # kept once, so no held-out paragraph is also a training paragraph.
+            if paragraph.strip() and document not in seen:
+                seen.add(document)
+                documents.append(document)
     return documents
 
 
