@@ -170,18 +170,18 @@ def test_second_choice_is_another_expert_for_extreme_gaps_ties_and_bfloat16(dtyp
     # gates returned expert 0 again and g2 was read from the unmasked gates: the token took two
     # slots of expert 0 at 0.5 + 0.5, and kept only 0.5 when the second slot overflowed.
     logits = jnp.asarray(EXTREME_LOGITS, dtype)
-    for policy in ("all", "random", "sampling"):
-        # Roomy capacity, then so tight (C=1) that any second slot of expert 0 overflows; with
-        # drops, weights sum to 1 only if kept gates are renormalised afterwards.
-        for capacity, renormalize in ((6, False), (1, True), (1, False)):
-            routing = top2_gating(
-                logits, capacity, second_expert_policy=policy, rng=jax.random.key(3),
-                renormalize_after_drops=renormalize,
-            )
-            if renormalize or capacity == 6:
-                assert_distinct_experts_and_unit_weights(routing)
-            combine = np.asarray(routing.combine_weights, np.float32)[0]  # [S, E, C]
-            assert combine[0, 0].sum() == 1.0 and combine[0].sum() == 1.0  # token 0: all weight on expert 0
+    # Roomy capacity, then so tight (C=1) that any second slot of expert 0 overflows; with drops,
+    # weights sum to 1 only if kept gates are renormalised afterwards.
+    cases = [("all", 6, False), ("all", 1, True), ("all", 1, False), ("random", 1, True), ("sampling", 6, False)]
+    for policy, capacity, renormalize in cases:
+        routing = top2_gating(
+            logits, capacity, second_expert_policy=policy, rng=jax.random.key(3),
+            renormalize_after_drops=renormalize,
+        )
+        if renormalize or capacity == 6:
+            assert_distinct_experts_and_unit_weights(routing)
+        combine = np.asarray(routing.combine_weights, np.float32)[0]  # [S, E, C]
+        assert combine[0, 0].sum() == 1.0 and combine[0].sum() == 1.0  # token 0: all weight on expert 0
     # Ties: first choice the lowest index, second the next one, half the weight each.
     routing = top2_gating(logits, 6, second_expert_policy="all")
     per_expert = np.asarray(routing.combine_weights, np.float32)[0].sum(axis=2)
