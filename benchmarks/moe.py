@@ -11,6 +11,12 @@ Prints progress, then ONE JSON object as the last line of stdout.
   2 assignments per token the dense FFN pays for). Target >= 0.5.
 - ``capacity_factors``: dropped-token fractions and train-step time of a small MoEModel trained on
   the toy multilingual corpus, for capacity factors 1.0, 1.25, 2.0, with and without aux loss.
+- ``text_moe_bpb`` / ``text_dense_bpb``: validation bits per byte after the same number of steps
+  of byte-level LMs on real English text (``pydoc_data.topics``, held-out paragraphs), MoE with 8
+  and 32 experts (top-2) vs the dense model of equal per-token FLOPs, mean over ``--seeds`` seeds
+  (``text_bpb_per_seed``, ``text_bpb_spread`` = max - min over seeds, ``text_moe_wins`` = seeds
+  where the MoE model is below the dense one, ``text_train_seconds`` = mean training wall time).
+  ``--only text`` runs just this part.
 """
 
 from __future__ import annotations
@@ -28,7 +34,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from carlskit.moe import FeedForward, MoEFeedForward, MoEModel, toy_multilingual_corpus  # noqa: E402
+from carlskit.moe import (  # noqa: E402
+    FeedForward, MoEFeedForward, MoEModel, text_lm_comparison, toy_multilingual_corpus,
+)
 
 
 def fastest_times(calls: dict, rounds: int) -> dict:
@@ -72,6 +80,9 @@ def moe_step(x, d_model, hidden, num_experts, capacity_factor, dispatch):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
+    parser.add_argument("--only", choices=("layers", "text"), default=None, help="run one part only")
+    parser.add_argument("--seeds", type=int, default=3, help="seeds of the text comparison")
+    parser.add_argument("--jobs", type=int, default=1, help="processes for the text comparison (one seed each)")
     args = parser.parse_args()
     small = args.small
     groups, group_size, d_model, hidden = (4, 128, 32, 128) if small else (8, 256, 64, 256)
@@ -81,6 +92,63 @@ def main() -> None:
         "device": jax.devices()[0].platform,
         "tokens": groups * group_size, "group_size": group_size, "d_model": d_model, "expert_hidden": hidden,
     }
+    if args.only != "text":
+        layer_benchmarks(result, x, small, rounds)
+    if args.only != "layers":
+        text_benchmark(result, small, args.seeds, args.jobs)
+    result["small"] = small
+    print(json.dumps(result))
+
+
+def _report(run: dict) -> None:
+    print(f"[text] seed {run['seed']} experts {run['num_experts']}: validation bpb "
+          f"{[round(b, 3) for b in run['validation_bpb']]} at steps {run['steps']}, "
+          f"{run['seconds'][-1]:.1f} s training", flush=True)
+
+
+def _text_seed(seed: int, size: str) -> list[dict]:
+    """One seed's runs (a process-pool task: module-level so spawn can import it)."""
+    return text_lm_comparison((0, 8, 32), seeds=(seed,), size=size, callback=_report)
+
+
+def text_benchmark(result: dict, small: bool, seeds: int, jobs: int = 1) -> None:
+    """MoE (8, 32 experts) vs dense of equal per-token FLOPs on real text, ``seeds`` seeds
+    (``jobs`` > 1: seeds in parallel processes, so training wall times are then shared-CPU times)."""
+    size = "small" if small else "full"
+    if jobs > 1:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+            runs = [run for seed_runs in pool.map(_text_seed, range(seeds), [size] * seeds) for run in seed_runs]
+    else:
+        runs = text_lm_comparison((0, 8, 32), seeds=range(seeds), size=size, callback=_report)
+    final = {}
+    for run in runs:
+        final.setdefault(run["num_experts"], []).append(run["validation_bpb"][-1])
+    dense = np.asarray(final[0])
+    result["text_dense_bpb"] = round(float(dense.mean()), 4)
+    result["text_moe_bpb"] = {str(e): round(float(np.mean(final[e])), 4) for e in (8, 32)}
+    result["text_bpb_per_seed"] = {str(e): [round(b, 4) for b in final[e]] for e in final}
+    result["text_bpb_spread"] = {str(e): round(float(np.ptp(final[e])), 4) for e in final}
+    result["text_moe_wins"] = {str(e): int(np.sum(np.asarray(final[e]) < dense)) for e in (8, 32)}
+    result["text_train_seconds"] = {
+        str(e): round(float(np.mean([r["seconds"][-1] for r in runs if r["num_experts"] == e])), 1) for e in final
+    }
+    result["text_steps"] = runs[0]["steps"][-1]
+    result["text_seeds"] = seeds
+    result["text_jobs"] = jobs
+    result["text_bpb_curves"] = {
+        f"E{r['num_experts']}_seed{r['seed']}": {"steps": r["steps"], "seconds": [round(t, 2) for t in r["seconds"]],
+                                                 "bpb": [round(b, 4) for b in r["validation_bpb"]]}
+        for r in runs
+    }
+
+
+def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> None:
+    """Expert scaling, MoE vs dense FFN speed, and the capacity-factor sweep."""
+    d_model = x.shape[-1]
+    hidden = 128 if small else 256
 
     # 1. Expert scaling at fixed tokens per group and capacity factor (E * C = 4 S constant), and
     # 2. the MoE layer vs a dense FFN with the same per-token FLOPs (top-2: dense width 2 * hidden).
@@ -131,8 +199,6 @@ def main() -> None:
             sweep[f"cf{capacity_factor}_aux{aux_loss_weight}"] = entry
             print(f"[capacity] cf={capacity_factor} aux={aux_loss_weight} {entry}", flush=True)
     result["capacity_factors"] = sweep
-    result["small"] = small
-    print(json.dumps(result))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation
 Sharding".
 """
 
-from ._data import toy_multilingual_corpus
+from ._data import BYTE_VOCAB_SIZE, PAD_ID, stdlib_text_corpus, stdlib_text_documents, toy_multilingual_corpus
 from ._dispatch import combine, combine_einsum, combine_scatter, dispatch, dispatch_einsum, dispatch_gather
 from ._gating import (
     Routing,
@@ -19,8 +19,12 @@ from ._gating import (
 from ._layers import CausalSelfAttention, FeedForward, MoEFeedForward, TransformerBlock
 from ._model import MoEModel
 from ._sharding import auto_axes, make_mesh, replicate, shard, split
+from ._text_lm import TEXT_LM_SIZES, text_lm_comparison
 
 __all__ = [
+    "BYTE_VOCAB_SIZE",
+    "PAD_ID",
+    "TEXT_LM_SIZES",
     "CausalSelfAttention",
     "FeedForward",
     "MoEFeedForward",
@@ -43,6 +47,9 @@ __all__ = [
     "router_z_loss",
     "shard",
     "split",
+    "stdlib_text_corpus",
+    "stdlib_text_documents",
+    "text_lm_comparison",
     "top1_gating",
     "top2_gating",
     "toy_multilingual_corpus",

@@ -46,3 +46,72 @@ def toy_multilingual_corpus(
         choice = np.minimum(choice, branching - 1)
         tokens[:, t] = successors[language, current, choice]
     return tokens.astype(np.int32), language.astype(np.int32)
+
+
+BYTE_VOCAB_SIZE = 257  # the 256 byte values and one padding id
+PAD_ID = 256
+
+
+def stdlib_text_documents() -> list[bytes]:
+    """English paragraphs (UTF-8 bytes) from the Python documentation shipped with CPython.
+
+    ``pydoc_data.topics`` is the text of the Language Reference's topics that ``help()`` prints
+    (about 466 KB for Python 3.11): real English technical prose with code, present in every
+    standard CPython installation, so nothing is downloaded (the content depends on the Python
+    version, the same for every installation of one version). Split at blank lines into
+    paragraphs, each distinct paragraph once: documents of very different lengths (tens of bytes
+    to a few KB).
+    """
+    from pydoc_data.topics import topics
+
+    documents, seen = [], set()
+    for name in sorted(topics):
+        for paragraph in topics[name].split("\n\n"):
+            document = paragraph.strip("\n").encode("utf-8")
+            # A fifth of the paragraphs repeat elsewhere (shared notes, headings, grammar lines):
+            # kept once, so no held-out paragraph is also a training paragraph.
+            if paragraph.strip() and document not in seen:
+                seen.add(document)
+                documents.append(document)
+    return documents
+
+
+def stdlib_text_corpus(
+    length: int, *, validation_fraction: float = 0.1, seed: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """Byte-level LM rows from :func:`stdlib_text_documents` with a held-out split.
+
+    Paragraphs are shuffled with ``seed`` and the last ``validation_fraction`` of them held out
+    (whole paragraphs, so no validation text is seen in training). Each paragraph is cut into
+    rows of ``length + 1`` bytes (inputs and next-byte targets; consecutive rows of one paragraph
+    share one byte so every byte after the first is a target once); a paragraph's last row is
+    right-padded with :data:`PAD_ID` (256). Use with ``MoEModel(vocab_size=257, pad_id=256)``:
+    padded positions are routed nowhere and left out of the loss.
+
+    Returns ``(train [N, length + 1] int32, validation [M, length + 1] int32)``.
+    """
+    length = positive_int(length, "length")
+    if isinstance(validation_fraction, bool) or not isinstance(validation_fraction, (int, float)) or not (
+        0.0 < validation_fraction < 1.0
+    ):
+        raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
+    documents = stdlib_text_documents()
+    order = np.random.default_rng(seed).permutation(len(documents))
+    held_out = max(1, int(round(validation_fraction * len(documents))))
+    splits = (order[:-held_out], order[-held_out:])
+    return tuple(_rows([documents[i] for i in part], length) for part in splits)  # type: ignore[return-value]
+
+
+def _rows(documents: list[bytes], length: int) -> np.ndarray:
+    """Cut byte strings into right-padded rows of ``length + 1`` tokens (at least one target each)."""
+    rows = []
+    for document in documents:
+        data = np.frombuffer(document, np.uint8).astype(np.int32)
+        for start in range(0, max(1, len(data) - 1), length):
+            piece = data[start : start + length + 1]
+            if len(piece) < 2:
+                continue
+            row = np.full(length + 1, PAD_ID, np.int32)
+            row[: len(piece)] = piece
+            rows.append(row)
+    return np.stack(rows)

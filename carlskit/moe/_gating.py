@@ -18,10 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit._checks import positive_float, positive_int
+from carlskit._checks import finite_float, positive_float, positive_int
 
-SECOND_EXPERT_POLICIES = ("random", "all", "none")
+SECOND_EXPERT_POLICIES = ("random", "all", "none", "sampling")
 ROUTERS = ("top2", "top1", "expert_choice")
+CAPACITY_CONVENTIONS = ("carlskit", "praxis")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,11 +31,13 @@ class Routing:
 
     Attributes:
       slot_token: int32 [G, E, C], token index (0..S-1) held by each expert slot, S if empty.
-      slot_weight: float32 [G, E, C], combine weight of each slot (0 if empty).
+      slot_weight: [G, E, C] combine weight of each slot (0 if empty), in the router's
+        ``fprop_dtype`` (float32 by default).
       aux_loss: float32 scalar, load-balancing loss (GShard Algorithm 1 times E**2).
       metrics: dict of float32 arrays (``expert_load`` [E], ``expert_fill`` [E],
         ``dropped_first``, ``dropped_second``, ``dropped_tokens``, ``router_z_loss``).
       num_tokens: S (static).
+      mask_dtype: dtype of :attr:`dispatch_mask` (static; bool by default).
 
     Unpacks as ``combine_weights, dispatch_mask, aux_loss, metrics``.
     """
@@ -44,6 +47,7 @@ class Routing:
     aux_loss: jax.Array
     metrics: dict[str, jax.Array]
     num_tokens: int
+    mask_dtype: Any = jnp.bool_
 
     @property
     def capacity(self) -> int:
@@ -55,13 +59,13 @@ class Routing:
 
     @property
     def dispatch_mask(self) -> jax.Array:
-        """bool [G, S, E, C]: token s goes to slot c of expert e."""
+        """[G, S, E, C] in ``mask_dtype``: token s goes to slot c of expert e."""
         one_hot = self.slot_token[..., None] == jnp.arange(self.num_tokens)  # [G, E, C, S]
-        return jnp.transpose(one_hot, (0, 3, 1, 2))
+        return jnp.transpose(one_hot, (0, 3, 1, 2)).astype(self.mask_dtype)
 
     @property
     def combine_weights(self) -> jax.Array:
-        """float32 [G, S, E, C]: weight of slot (e, c) in token s's output."""
+        """[G, S, E, C] (dtype of ``slot_weight``): weight of slot (e, c) in token s's output."""
         weights = self.dispatch_mask.astype(self.slot_weight.dtype)
         return weights * self.slot_weight[:, None, :, :]
 
@@ -72,21 +76,39 @@ class Routing:
 jax.tree_util.register_dataclass(
     Routing,
     data_fields=["slot_token", "slot_weight", "aux_loss", "metrics"],
-    meta_fields=["num_tokens"],
+    meta_fields=["num_tokens", "mask_dtype"],
 )
 
 
-def expert_capacity(group_size: int, num_experts: int, capacity_factor: float, k: int = 2) -> int:
-    """Expert buffer size per group: ``C = ceil(k * S * capacity_factor / E)`` (GShard 2.2).
+def expert_capacity(
+    group_size: int, num_experts: int, capacity_factor: float, k: int = 2, *, convention: str = "carlskit"
+) -> int:
+    """Expert buffer size C per group of S = ``group_size`` tokens, from a capacity factor.
 
-    Rounded up so that ``capacity_factor=1`` fits a perfectly balanced load, at least 1, and at
-    most ``S`` (an expert never receives more than S tokens of a group: a token's k choices are
-    distinct experts).
+    Two conventions for the factor are in use (GShard 2.2 states ``C = 2S/E`` for top-2):
+
+    - ``"carlskit"`` (default): the factor is *per choice*, ``capacity_factor = E*C / (k*S)``:
+      ``C = ceil(k * S * capacity_factor / E)``, rounded up so that ``capacity_factor=1`` fits a
+      perfectly balanced load of all k choices, at least 1 and at most S (a token's k choices are
+      distinct experts, so an expert never receives more than S tokens of a group).
+    - ``"praxis"`` (google/praxis ``top2_gating_on_logits``, lingvo): the factor counts all
+      choices together, ``capacity_factor = E*C / S``: ``C = floor(S * capacity_factor / E)``,
+      then padded up to a multiple of 4 (TPU tiling) when above 1; ``k`` is not used, so praxis'
+      ``capacity_factor=2`` equals carlskit's 1.0 for top-2 (up to the rounding), and C is not
+      clipped to S.
+
+    An explicit C can be given to the layers instead (``expert_capacity=`` on
+    :class:`~carlskit.moe.MoEFeedForward` / :class:`~carlskit.moe.MoEModel`).
     """
     group_size = positive_int(group_size, "group_size")
     num_experts = positive_int(num_experts, "num_experts")
     k = positive_int(k, "k")
     capacity_factor = positive_float(capacity_factor, "capacity_factor")
+    if convention not in CAPACITY_CONVENTIONS:
+        raise ValueError(f"convention must be one of {CAPACITY_CONVENTIONS}, got {convention!r}")
+    if convention == "praxis":
+        capacity = int(group_size * capacity_factor / num_experts)
+        return max(1, capacity + (-capacity) % 4) if capacity > 1 else 1
     capacity = math.ceil(k * group_size * capacity_factor / num_experts - 1e-9)
     return int(min(group_size, max(1, capacity)))
 
@@ -102,26 +124,71 @@ def _check_logits(logits: jax.Array, capacity: int, *, min_experts: int = 1) -> 
     return positive_int(capacity, "capacity")
 
 
+def _token_masks(
+    logits: jax.Array, paddings: jax.Array | None, importance: jax.Array | None
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """bool [G, S] masks: real (not padded) tokens, tokens that may take a first and a second choice.
+
+    praxis semantics: ``importance == 1`` tokens take a first choice, ``importance > 0`` a second.
+    """
+    token_shape = tuple(logits.shape[:2])
+    for name, value in (("paddings", paddings), ("importance", importance)):
+        if value is not None and tuple(getattr(value, "shape", ())) != token_shape:
+            raise ValueError(f"{name} must have shape [groups, group_size] = {token_shape}, got {getattr(value, 'shape', type(value))}")
+    valid = jnp.ones(token_shape, bool) if paddings is None else jnp.asarray(paddings) == 0
+    first_ok, second_ok = valid, valid
+    if importance is not None:
+        importance = jnp.asarray(importance, jnp.float32)
+        first_ok = first_ok & (importance == 1.0)
+        second_ok = second_ok & (importance > 0.0)
+    return valid, first_ok, second_ok
+
+
+def _masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
+    """Mean of ``values`` over the entries where ``mask`` is set (0 when none is)."""
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(values * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
+
+
 def _exclusive_cumsum(mask: jax.Array) -> jax.Array:
     """Position of each token among earlier tokens choosing the same expert: [G, S, E]."""
     return jnp.cumsum(mask, axis=1) - mask
 
 
-def router_z_loss(logits: jax.Array) -> jax.Array:
-    """ST-MoE router z-loss: ``mean(logsumexp(logits, -1) ** 2)`` (Zoph et al. 2022, eq. 5)."""
-    return jnp.mean(jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)))
+def _cap_logits(logits: jax.Array, gating_logit_cap: float) -> jax.Array:
+    """float32 logits, soft-capped to ``cap * tanh(logits / cap)`` when ``gating_logit_cap > 0``."""
+    logits = logits.astype(jnp.float32)
+    if gating_logit_cap > 0:
+        logits = gating_logit_cap * jnp.tanh(logits / gating_logit_cap)
+    return logits
 
 
-def load_balancing_loss(gates: jax.Array, first_choice_mask: jax.Array) -> jax.Array:
+def router_z_loss(logits: jax.Array, paddings: jax.Array | None = None) -> jax.Array:
+    """ST-MoE router z-loss: ``mean(logsumexp(logits, -1) ** 2)`` (Zoph et al. 2022, eq. 5),
+    the mean over the tokens that are not padding (``paddings`` [G, S], 1 = padding)."""
+    z = jnp.square(jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1))
+    if paddings is None:
+        return jnp.mean(z)
+    return _masked_mean(z, jnp.asarray(paddings) == 0)
+
+
+def load_balancing_loss(
+    gates: jax.Array, first_choice_mask: jax.Array, token_mask: jax.Array | None = None
+) -> jax.Array:
     """GShard auxiliary loss times E**2, averaged over groups.
 
     ``aux = E**2 * mean_e((count_e / S) * mean_s gates[s, e])`` (GShard Algorithm 1, line 13;
     the paper's ``1/E * sum_e`` scaled by E**2 so a perfectly balanced router scores 1.0).
     ``count_e`` counts first choices of expert e, dropped ones included; it carries no gradient.
+    With ``token_mask`` [G, S] (bool), S and both means run over the masked tokens only (padding
+    and tokens of importance != 1 are left out, as in praxis with ``legacy_mtf_behavior=False``).
     """
     num_experts = gates.shape[-1]
-    fraction = jax.lax.stop_gradient(jnp.mean(first_choice_mask, axis=1))  # [G, E]
-    mean_gate = jnp.mean(gates, axis=1)  # [G, E]
+    if token_mask is None:
+        token_mask = jnp.ones(gates.shape[:2], bool)
+    mask = token_mask[..., None]
+    fraction = jax.lax.stop_gradient(_masked_mean(first_choice_mask * mask, mask, axis=1))  # [G, E]
+    mean_gate = _masked_mean(gates, jnp.broadcast_to(mask, gates.shape), axis=1)  # [G, E]
     return num_experts**2 * jnp.mean(fraction * mean_gate)
 
 
@@ -152,6 +219,31 @@ def _slots_from_choices(
     return slot_token.reshape(shape), slot_weight.reshape(shape)
 
 
+def _normalize_pair(gate_1: jax.Array, gate_2: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``g / (g1 + g2)`` for both gates; (0, 0) where both are 0."""
+    denominator = gate_1 + gate_2
+    denominator = jnp.where(denominator > 0, denominator, 1.0)
+    return gate_1 / denominator, gate_2 / denominator
+
+
+def _second_choice(
+    logits: jax.Array, first_one_hot: jax.Array, index_1: jax.Array, noise: jax.Array | None
+) -> jax.Array:
+    """Index [G, S] of the second expert, never the first one.
+
+    Chosen on the logits with the first expert masked out, not on the gates: when the softmax
+    underflows (a gap of ~100 in float32) every other gate is exactly 0, and ``argmax`` of the
+    masked gates would return expert 0, possibly the first choice again. With ``noise`` (Gumbel,
+    policy "sampling") the argmax is a draw from ``softmax`` over the remaining experts.
+    """
+    scores = logits if noise is None else logits + noise
+    scores = jnp.where(first_one_hot > 0, -jnp.inf, scores)
+    index_2 = jnp.argmax(scores, axis=-1)
+    # Only if every other score is -inf or NaN can argmax land on the first expert: take any other.
+    num_experts = logits.shape[-1]
+    return jnp.where(index_2 == index_1, (index_1 + 1) % num_experts, index_2)
+
+
 def _choice_routing(
     logits: jax.Array,
     capacity: int,
@@ -160,60 +252,79 @@ def _choice_routing(
     second_expert_policy: str,
     rng: jax.Array | None,
     uniform: jax.Array | None = None,
+    paddings: jax.Array | None = None,
+    importance: jax.Array | None = None,
+    second_expert_threshold: float = 0.5,
+    gating_logit_cap: float = 0.0,
+    renormalize_after_drops: bool = False,
+    fprop_dtype: Any = jnp.float32,
+    mask_dtype: Any = jnp.bool_,
 ) -> Routing:
-    """Token-choice routing with 1 (Switch) or 2 (GShard) experts per token."""
+    """Token-choice routing with 1 (Switch) or 2 (GShard) experts per token (see top2_gating)."""
     capacity = _check_logits(logits, capacity, min_experts=num_choices)  # top-2 needs two distinct experts
     if second_expert_policy not in SECOND_EXPERT_POLICIES:
         raise ValueError(
             f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
         )
+    second_expert_threshold = positive_float(second_expert_threshold, "second_expert_threshold")
+    gating_logit_cap = finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0)
     groups, num_tokens, num_experts = logits.shape
-    gates = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    valid, first_ok, second_ok = _token_masks(logits, paddings, importance)
+    logits = _cap_logits(logits, gating_logit_cap)
+    gates = jax.nn.softmax(logits, axis=-1)
 
     index_1 = jnp.argmax(gates, axis=-1)
-    mask_1 = jax.nn.one_hot(index_1, num_experts, dtype=jnp.float32)
+    one_hot_1 = jax.nn.one_hot(index_1, num_experts, dtype=jnp.float32)
+    mask_1 = one_hot_1 * first_ok[..., None]  # padded / unimportant tokens take no first choice
     gate_1 = jnp.sum(gates * mask_1, axis=-1)
-    aux_loss = load_balancing_loss(gates, mask_1)
+    aux_loss = load_balancing_loss(gates, mask_1, first_ok)
 
     # Pass 1: first choices fill buffers in token order; overflow is dropped but counted.
     position_1 = jnp.sum(_exclusive_cumsum(mask_1) * mask_1, axis=-1).astype(jnp.int32)
-    keep_1 = position_1 < capacity
+    keep_1 = first_ok & (position_1 < capacity)
     count_1 = jnp.sum(mask_1, axis=1, keepdims=True)  # [G, 1, E], dropped included
 
     metrics = {
-        "expert_load": jnp.mean(mask_1, axis=(0, 1)),
-        "dropped_first": jnp.mean(1.0 - keep_1),
-        "router_z_loss": router_z_loss(logits),
+        "expert_load": _masked_mean(mask_1, jnp.broadcast_to(first_ok[..., None], mask_1.shape), axis=(0, 1)),
+        "dropped_first": _masked_mean(first_ok & ~keep_1, valid),
+        "router_z_loss": _masked_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), valid),
     }
     if num_choices == 1:
         slot_token, slot_weight = _slots_from_choices(
             index_1, position_1, keep_1, gate_1, num_tokens, num_experts, capacity
         )
         metrics["dropped_second"] = jnp.zeros((), jnp.float32)
-        metrics["dropped_tokens"] = metrics["dropped_first"]
+        metrics["dropped_tokens"] = _masked_mean(~keep_1, valid)
     else:
-        index_2 = jnp.argmax(gates * (1.0 - mask_1), axis=-1)
-        mask_2 = jax.nn.one_hot(index_2, num_experts, dtype=jnp.float32)
-        gate_2 = jnp.sum(gates * mask_2, axis=-1)
-        denominator = gate_1 + gate_2 + jnp.finfo(jnp.float32).tiny
-        gate_1, gate_2 = gate_1 / denominator, gate_2 / denominator
-        if second_expert_policy == "all":
-            attempt_2 = jnp.ones_like(keep_1)
-        elif second_expert_policy == "none":
-            attempt_2 = jnp.zeros_like(keep_1)
-        else:
+        noise = None
+        if second_expert_policy in ("random", "sampling"):
+            shape = (groups, num_tokens) + ((num_experts,) if second_expert_policy == "sampling" else ())
             if uniform is None:
                 if rng is None:
-                    raise ValueError('second_expert_policy="random" needs rng (a jax.random key)')
-                uniform = jax.random.uniform(rng, gate_2.shape, jnp.float32)
-            elif uniform.shape != gate_2.shape:
-                raise ValueError(f"second_choice_uniform must have shape {gate_2.shape}, got {uniform.shape}")
-            attempt_2 = 2.0 * jax.lax.stop_gradient(gate_2) > uniform
+                    raise ValueError(f'second_expert_policy="{second_expert_policy}" needs rng (a jax.random key)')
+                uniform = jax.random.uniform(rng, shape, jnp.float32)
+            elif tuple(uniform.shape) != shape:
+                raise ValueError(f"second_choice_uniform must have shape {shape}, got {uniform.shape}")
+            if second_expert_policy == "sampling":
+                noise = -jnp.log(-jnp.log(uniform))  # standard Gumbel(0, 1)
+        index_2 = _second_choice(logits, one_hot_1, index_1, noise)
+        mask_2 = jax.nn.one_hot(index_2, num_experts, dtype=jnp.float32)
+        gate_2 = jnp.sum(gates * mask_2, axis=-1) * second_ok
+        if not renormalize_after_drops:  # GShard / mesh-tensorflow: normalise before capacity
+            gate_1, gate_2 = _normalize_pair(gate_1, gate_2)
+        # A second choice whose gate is 0 (underflow, padding) would add nothing but take a slot.
+        attempt_2 = second_ok & (gate_2 > 0)
+        if second_expert_policy == "none":
+            attempt_2 = jnp.zeros_like(attempt_2)
+        elif second_expert_policy == "random":  # GShard: 2 * g2 > u, i.e. u < g2 / 0.5
+            attempt_2 = attempt_2 & (uniform < jax.lax.stop_gradient(gate_2) / second_expert_threshold)
         # Pass 2: second choices go after *all* first choices of their expert, in token order.
         # A second choice rejected by the policy takes no slot (as in mesh-tensorflow's moe.py).
         mask_2 = mask_2 * attempt_2[..., None]
         position_2 = jnp.sum((_exclusive_cumsum(mask_2) + count_1) * mask_2, axis=-1).astype(jnp.int32)
         keep_2 = attempt_2 & (position_2 < capacity)
+        if renormalize_after_drops:  # praxis legacy_mtf_behavior=False: kept gates sum to 1
+            gate_1, gate_2 = _normalize_pair(gate_1 * keep_1, gate_2 * keep_2)
         slot_token, slot_weight = _slots_from_choices(
             jnp.concatenate([index_1, index_2], axis=1),
             jnp.concatenate([position_1, position_2], axis=1),
@@ -223,13 +334,19 @@ def _choice_routing(
             num_experts,
             capacity,
         )
-        metrics["dropped_second"] = jnp.mean(attempt_2 & ~keep_2)
-        metrics["dropped_tokens"] = jnp.mean(~keep_1 & ~keep_2)
+        metrics["dropped_second"] = _masked_mean(attempt_2 & ~keep_2, valid)
+        metrics["dropped_tokens"] = _masked_mean(~keep_1 & ~keep_2, valid)
     metrics["expert_fill"] = jnp.mean(slot_token < num_tokens, axis=(0, 2))
-    return Routing(slot_token, slot_weight, aux_loss, metrics, num_tokens)
+    return Routing(slot_token, slot_weight.astype(fprop_dtype), aux_loss, metrics, num_tokens, mask_dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("capacity", "second_expert_policy"))
+_ROUTING_STATICS = (
+    "capacity", "second_expert_policy", "second_expert_threshold", "gating_logit_cap",
+    "renormalize_after_drops", "fprop_dtype", "mask_dtype",
+)
+
+
+@functools.partial(jax.jit, static_argnames=_ROUTING_STATICS)
 def top2_gating(
     logits: jax.Array,
     capacity: int,
@@ -237,22 +354,69 @@ def top2_gating(
     second_expert_policy: str = "random",
     rng: jax.Array | None = None,
     second_choice_uniform: jax.Array | None = None,
+    paddings: jax.Array | None = None,
+    importance: jax.Array | None = None,
+    second_expert_threshold: float = 0.5,
+    gating_logit_cap: float = 0.0,
+    renormalize_after_drops: bool = False,
+    fprop_dtype: Any = jnp.float32,
+    mask_dtype: Any = jnp.bool_,
 ) -> Routing:
     """GShard group-level top-2 gating (Lepikhin et al. 2020, Algorithm 1).
 
-    gates = softmax(logits) in float32; per token the top-2 experts with g1, g2 renormalised to
-    g1 + g2 = 1. Pass 1 puts first choices into each expert's buffer in token order while its
-    count is below C (overflow dropped, still counted). Pass 2 places second choices after all
-    first choices of that expert, in token order, if they fit and, for policy ``"random"``, only
-    if ``2 * g2 > u``, ``u ~ U(0, 1)`` (``"all"`` always tries, ``"none"`` never).
+    gates = softmax(logits) in float32; per token the first expert is ``argmax(gates)`` and the
+    second is the argmax with the first masked out (always a different expert, even when the
+    softmax underflows to exact zeros or gates tie), with g1, g2 renormalised to g1 + g2 = 1.
+    Pass 1 puts first choices into each expert's buffer in token order while its count is below
+    C (overflow dropped, still counted). Pass 2 places second choices after all first choices of
+    that expert, in token order, if they fit and the policy attempts them. A second choice whose
+    gate is exactly 0 is never attempted (it would add nothing and take a slot), so every kept
+    token's weights sum to 1 unless one of its choices was dropped for capacity.
+
+    Options, with their counterpart in praxis ``gshard_utils.top2_gating_on_logits`` (and lingvo's
+    ``Top2GatingOnLogits``, the GShard paper's code):
+
+    - ``second_expert_policy``: ``"random"`` (GShard 2.2: attempt the second choice if
+      ``u < g2 / second_expert_threshold``, u ~ U(0, 1)), ``"all"`` (always attempt), ``"none"``
+      (top-1 dispatch with top-2 weights), ``"sampling"`` (praxis "sampling": the second expert is
+      *drawn* from softmax over the other experts with the Gumbel-max trick,
+      ``argmax(logits + G)``, G ~ Gumbel(0, 1), first expert masked; then always attempted).
+    - ``second_expert_threshold``: praxis' name; the 0.5 of GShard's ``2 * g2 > u`` (``"random"``).
+    - ``paddings`` [G, S] (1 = padding, praxis ``paddings``): padded tokens get no expert, take no
+      capacity (later tokens move up), and are left out of the aux loss, the z-loss and the drop
+      metrics (their means run over the real tokens).
+    - ``importance`` [G, S] (praxis ``importance``): a token takes a first choice only if its
+      importance is exactly 1 and a second choice only if it is > 0; tokens of importance != 1
+      are left out of the aux loss. (praxis ignores ``paddings`` for the first choice once
+      ``importance`` is given; here both apply.)
+    - ``renormalize_after_drops`` (praxis ``legacy_mtf_behavior=False``): g1, g2 are left raw
+      through the capacity passes and the *kept* ones are renormalised to sum to 1 afterwards,
+      so a token that lost one choice to capacity gives full weight to the other. Default False
+      is GShard Algorithm 1 / mesh-tensorflow (``legacy_mtf_behavior=True``): normalise first,
+      a lost choice's weight is lost. As in praxis, the ``"random"`` test then uses the raw g2.
+    - ``gating_logit_cap`` (praxis ``gating_logit_cap``): if > 0, logits become
+      ``cap * tanh(logits / cap)`` before the softmax (and the z-loss), bounding them.
+    - ``fprop_dtype`` (praxis ``fprop_dtype``): dtype of the combine weights (``slot_weight``),
+      e.g. bfloat16; the router itself always computes in float32 (praxis upcasts too).
+    - ``mask_dtype`` (praxis ``mask_dtype``): dtype of ``dispatch_mask`` (default bool).
+
+    Where carlskit differs from praxis: capacity is a given C (see :func:`expert_capacity` for both
+    factor conventions); first choices dropped for capacity still count towards the positions of
+    second choices (Algorithm 1 line 6; praxis counts kept ones only); the aux loss always averages
+    over the real tokens (praxis only with ``legacy_mtf_behavior=False``); and a zero-gate second
+    choice takes no slot (praxis reserves one and dispatches nothing into it).
 
     Args:
-      logits: [G, S, E] router logits.
+      logits: [G, S, E] router logits (any float dtype; upcast to float32).
       capacity: C, slots per expert and group (see :func:`expert_capacity`).
-      second_expert_policy: "random", "all" or "none".
-      rng: jax.random key, required for "random" unless ``second_choice_uniform`` is given.
-      second_choice_uniform: optional precomputed u [G, S] (lets sharded callers draw it once
-        for the global batch, so results do not depend on the mesh).
+      second_expert_policy: "random", "all", "none" or "sampling".
+      rng: jax.random key, required for "random" and "sampling" unless ``second_choice_uniform``
+        is given.
+      second_choice_uniform: optional precomputed u ~ U(0, 1): [G, S] for "random", [G, S, E] for
+        "sampling" (lets sharded callers draw it once for the global batch, so results do not
+        depend on the mesh).
+      paddings, importance, second_expert_threshold, gating_logit_cap, renormalize_after_drops,
+        fprop_dtype, mask_dtype: see above.
 
     Returns:
       :class:`Routing`; unpacks as ``(combine_weights [G,S,E,C], dispatch_mask [G,S,E,C],
@@ -260,62 +424,94 @@ def top2_gating(
     """
     return _choice_routing(
         logits, capacity, num_choices=2, second_expert_policy=second_expert_policy, rng=rng,
-        uniform=second_choice_uniform,
+        uniform=second_choice_uniform, paddings=paddings, importance=importance,
+        second_expert_threshold=second_expert_threshold, gating_logit_cap=gating_logit_cap,
+        renormalize_after_drops=renormalize_after_drops, fprop_dtype=fprop_dtype, mask_dtype=mask_dtype,
     )
 
 
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def top1_gating(logits: jax.Array, capacity: int) -> Routing:
-    """Switch Transformer top-1 routing (Fedus et al. 2021, 2.1): weight = gate of the argmax
-    expert (not renormalised), tokens over capacity dropped, same aux loss as :func:`top2_gating`."""
-    return _choice_routing(logits, capacity, num_choices=1, second_expert_policy="none", rng=None)
-
-
-@functools.partial(jax.jit, static_argnames=("capacity",))
-def expert_choice_gating(logits: jax.Array, capacity: int) -> Routing:
-    """Expert-choice routing (Zhou et al. 2022, 3.1): each expert takes the C tokens with the
-    highest gate ``softmax(logits)[s, e]``; weight = that gate. Balanced by construction
-    (aux loss 0); a token may get zero or several experts."""
-    capacity = _check_logits(logits, capacity)
-    groups, num_tokens, num_experts = logits.shape
-    if capacity > num_tokens:
-        raise ValueError(f"capacity must be <= group size {num_tokens} for expert choice, got {capacity}")
-    gates = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-    slot_weight, slot_token = jax.lax.top_k(jnp.swapaxes(gates, 1, 2), capacity)  # [G, E, C]
-    chosen = jnp.zeros((groups, num_tokens + 1), jnp.float32).at[
-        jnp.arange(groups)[:, None], slot_token.reshape(groups, -1)
-    ].add(1.0)[:, :num_tokens]
-    no_expert = jnp.mean(chosen == 0)
-    metrics = {
-        "expert_load": jnp.full((num_experts,), 1.0 / num_experts, jnp.float32),
-        "expert_fill": jnp.ones((num_experts,), jnp.float32),
-        "dropped_first": no_expert,
-        "dropped_second": jnp.zeros((), jnp.float32),
-        "dropped_tokens": no_expert,
-        "router_z_loss": router_z_loss(logits),
-    }
-    return Routing(slot_token.astype(jnp.int32), slot_weight, jnp.zeros((), jnp.float32), metrics, num_tokens)
-
-
-def route(
+@functools.partial(jax.jit, static_argnames=("capacity", "gating_logit_cap", "fprop_dtype", "mask_dtype"))
+def top1_gating(
     logits: jax.Array,
     capacity: int,
     *,
-    router: str = "top2",
-    second_expert_policy: str = "random",
-    rng: jax.Array | None = None,
-    second_choice_uniform: jax.Array | None = None,
+    paddings: jax.Array | None = None,
+    importance: jax.Array | None = None,
+    gating_logit_cap: float = 0.0,
+    fprop_dtype: Any = jnp.float32,
+    mask_dtype: Any = jnp.bool_,
 ) -> Routing:
-    """Dispatch to :func:`top2_gating`, :func:`top1_gating` or :func:`expert_choice_gating`."""
+    """Switch Transformer top-1 routing (Fedus et al. 2021, 2.1): weight = gate of the argmax
+    expert (not renormalised), tokens over capacity dropped, same aux loss and options
+    (``paddings``, ``importance``, ``gating_logit_cap``, dtypes) as :func:`top2_gating`."""
+    return _choice_routing(
+        logits, capacity, num_choices=1, second_expert_policy="none", rng=None, paddings=paddings,
+        importance=importance, gating_logit_cap=gating_logit_cap, fprop_dtype=fprop_dtype, mask_dtype=mask_dtype,
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("capacity", "gating_logit_cap", "fprop_dtype", "mask_dtype"))
+def expert_choice_gating(
+    logits: jax.Array,
+    capacity: int,
+    *,
+    paddings: jax.Array | None = None,
+    gating_logit_cap: float = 0.0,
+    fprop_dtype: Any = jnp.float32,
+    mask_dtype: Any = jnp.bool_,
+) -> Routing:
+    """Expert-choice routing (Zhou et al. 2022, 3.1): each expert takes the C tokens with the
+    highest gate ``softmax(logits)[s, e]``; weight = that gate. Balanced by construction
+    (aux loss 0); a token may get zero or several experts. Padded tokens (``paddings`` [G, S],
+    1 = padding) are never chosen: a slot that only padding could fill stays empty."""
+    capacity = _check_logits(logits, capacity)
+    gating_logit_cap = finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0)
+    groups, num_tokens, num_experts = logits.shape
+    if capacity > num_tokens:
+        raise ValueError(f"capacity must be <= group size {num_tokens} for expert choice, got {capacity}")
+    valid, _, _ = _token_masks(logits, paddings, None)
+    logits = _cap_logits(logits, gating_logit_cap)
+    gates = jax.nn.softmax(logits, axis=-1)
+    scores = jnp.where(valid[..., None], gates, -1.0)  # gates >= 0 > -1: padding ranks last
+    slot_weight, slot_token = jax.lax.top_k(jnp.swapaxes(scores, 1, 2), capacity)  # [G, E, C]
+    empty = slot_weight < 0
+    slot_token = jnp.where(empty, num_tokens, slot_token)
+    slot_weight = jnp.where(empty, 0.0, slot_weight)
+    chosen = jnp.zeros((groups, num_tokens + 1), jnp.float32).at[
+        jnp.arange(groups)[:, None], slot_token.reshape(groups, -1)
+    ].add(1.0)[:, :num_tokens]
+    no_expert = _masked_mean(chosen == 0, valid)
+    metrics = {
+        "expert_load": jnp.full((num_experts,), 1.0 / num_experts, jnp.float32),
+        "expert_fill": jnp.mean(~empty, axis=(0, 2)).astype(jnp.float32),
+        "dropped_first": no_expert,
+        "dropped_second": jnp.zeros((), jnp.float32),
+        "dropped_tokens": no_expert,
+        "router_z_loss": _masked_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), valid),
+    }
+    return Routing(
+        slot_token.astype(jnp.int32), slot_weight.astype(fprop_dtype), jnp.zeros((), jnp.float32), metrics,
+        num_tokens, mask_dtype,
+    )
+
+
+def route(logits: jax.Array, capacity: int, *, router: str = "top2", **options: Any) -> Routing:
+    """Dispatch to :func:`top2_gating`, :func:`top1_gating` or :func:`expert_choice_gating`.
+
+    ``options`` are passed on; the options only top-2 has (second-expert policy, threshold,
+    ``rng``, ``second_choice_uniform``, ``renormalize_after_drops``) are dropped for the others,
+    and ``importance`` for expert choice.
+    """
     if router == "top2":
-        return top2_gating(
-            logits, capacity, second_expert_policy=second_expert_policy, rng=rng,
-            second_choice_uniform=second_choice_uniform,
-        )
+        return top2_gating(logits, capacity, **options)
+    top2_only = ("second_expert_policy", "second_expert_threshold", "rng", "second_choice_uniform",
+                 "renormalize_after_drops")
+    options = {k: v for k, v in options.items() if k not in top2_only}
     if router == "top1":
-        return top1_gating(logits, capacity)
+        return top1_gating(logits, capacity, **options)
     if router == "expert_choice":
-        return expert_choice_gating(logits, capacity)
+        options.pop("importance", None)
+        return expert_choice_gating(logits, capacity, **options)
     raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
 
 

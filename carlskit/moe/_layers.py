@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from carlskit._checks import positive_float, positive_int
+from carlskit._checks import finite_float, positive_float, positive_int
 
 from ._dispatch import DISPATCH_MODES, combine, dispatch
 from ._gating import (
@@ -23,6 +24,21 @@ from ._sharding import DATA_AXIS, EXPERT_AXIS, split
 
 # Activations (groups / batch) are split over every device of the mesh; experts over "expert".
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)
+
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _dtype(value: Any, name: str, *, allow_bool: bool = False) -> Any:
+    """A float dtype (bfloat16, float16, float32; bool too for masks) or ValueError naming ``name``."""
+    try:
+        dtype = jnp.dtype(value)
+    except TypeError:
+        raise TypeError(f"{name} must be a dtype, got {value!r}") from None
+    allowed = [jnp.dtype(d) for d in FLOAT_DTYPES] + ([jnp.dtype(jnp.bool_), jnp.dtype(jnp.int32)] if allow_bool else [])
+    if dtype not in allowed:
+        raise ValueError(f"{name} must be one of {[str(d) for d in allowed]}, got {dtype}")
+    return dtype.type
 
 
 def _scaled_normal(rngs: nnx.Rngs, shape: tuple[int, ...], fan_in: int) -> nnx.Param:
@@ -45,7 +61,7 @@ class FeedForward(nnx.Module):
         self.wo = _scaled_normal(rngs, (hidden_dim, d_model), hidden_dim)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return jax.nn.relu(x @ self.wi[...]) @ self.wo[...]
+        return jax.nn.relu(x @ self.wi[...].astype(x.dtype)) @ self.wo[...].astype(x.dtype)
 
 
 class MoEFeedForward(nnx.Module):
@@ -56,6 +72,13 @@ class MoEFeedForward(nnx.Module):
     (default: one group per sequence). ``dispatch="scatter"`` (gather / scatter-add) and
     ``"einsum"`` (``GSEC,GSM->EGCM`` and back) give identical results. With a ``mesh``, groups are
     split over all devices and experts over the "expert" axis, so the dispatch is an all-to-all.
+
+    Gating options (``second_expert_threshold``, ``gating_logit_cap``, ``renormalize_after_drops``,
+    ``mask_dtype``) are those of :func:`~carlskit.moe.top2_gating`. ``expert_capacity`` gives C
+    directly (else C comes from ``capacity_factor``, see :func:`~carlskit.moe.expert_capacity`).
+    ``fprop_dtype`` (default: the input's dtype) is the dtype of the combine weights, the expert
+    buffers and the expert FFNs; parameters keep their own dtype and are cast on use. Call with
+    ``paddings`` [B, L] (1 = padding) to route padded tokens nowhere (their output is 0).
 
     Returns ``(y [B, L, M], routing)``; ``routing.aux_loss`` and ``routing.metrics`` carry the
     balancing loss and drop statistics.
@@ -68,8 +91,14 @@ class MoEFeedForward(nnx.Module):
         num_experts: int,
         *,
         capacity_factor: float = 2.0,
+        expert_capacity: int | None = None,
         router: str = "top2",
         second_expert_policy: str = "random",
+        second_expert_threshold: float = 0.5,
+        gating_logit_cap: float = 0.0,
+        renormalize_after_drops: bool = False,
+        fprop_dtype: Any = None,
+        mask_dtype: Any = jnp.bool_,
         dispatch: str = "scatter",
         group_size: int | None = None,
         mesh: Mesh | None = None,
@@ -93,8 +122,21 @@ class MoEFeedForward(nnx.Module):
             raise ValueError(
                 f"num_experts={num_experts} must be divisible by the mesh's expert axis {mesh.shape[EXPERT_AXIS]}"
             )
+        if expert_capacity is not None:
+            expert_capacity = positive_int(expert_capacity, "expert_capacity")
+        if not isinstance(renormalize_after_drops, bool):
+            raise TypeError(f"renormalize_after_drops must be a bool, got {renormalize_after_drops!r}")
+        # A tuple of pairs, not a dict: module attributes end up in the (hashed) graph definition.
+        self.gating_options = tuple(dict(
+            second_expert_threshold=positive_float(second_expert_threshold, "second_expert_threshold"),
+            gating_logit_cap=finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0),
+            renormalize_after_drops=renormalize_after_drops,
+            mask_dtype=_dtype(mask_dtype, "mask_dtype", allow_bool=True),
+        ).items())
+        self.fprop_dtype = None if fprop_dtype is None else _dtype(fprop_dtype, "fprop_dtype")
         self.num_experts = num_experts
         self.capacity_factor = float(capacity_factor)
+        self.expert_capacity = expert_capacity
         self.router = router
         self.second_expert_policy = second_expert_policy
         self.dispatch = dispatch
@@ -105,10 +147,15 @@ class MoEFeedForward(nnx.Module):
         self.expert_wo = _scaled_normal(rngs, (num_experts, hidden_dim, d_model), hidden_dim)
 
     def capacity(self, group_size: int) -> int:
-        """C for a group of ``group_size`` tokens (:func:`expert_capacity`)."""
+        """C for a group of ``group_size`` tokens: ``expert_capacity`` if given, else from
+        ``capacity_factor`` (:func:`~carlskit.moe.expert_capacity`, carlskit convention)."""
+        if self.expert_capacity is not None:
+            return self.expert_capacity
         return expert_capacity(group_size, self.num_experts, self.capacity_factor, experts_per_token(self.router))
 
-    def __call__(self, x: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, Routing]:
+    def __call__(
+        self, x: jax.Array, *, rng: jax.Array | None = None, paddings: jax.Array | None = None
+    ) -> tuple[jax.Array, Routing]:
         d_model_expected = self.router_weights.shape[0]
         if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model_expected:
             raise ValueError(
@@ -121,41 +168,56 @@ class MoEFeedForward(nnx.Module):
         num_groups = batch * length // group_size
         if self.mesh is not None and num_groups % self.mesh.size:
             raise ValueError(f"number of groups {num_groups} must be divisible by the mesh size {self.mesh.size}")
+        if paddings is not None and tuple(getattr(paddings, "shape", ())) != (batch, length):
+            raise ValueError(f"paddings must have shape [batch, length] = {(batch, length)}, got {getattr(paddings, 'shape', type(paddings))}")
+        fprop_dtype = self.fprop_dtype or x.dtype
         tokens = split(x.reshape(-1, group_size, d_model), 0, BATCH_AXES, mesh=self.mesh)  # [G, S, M]
+        if paddings is not None:
+            paddings = split(jnp.asarray(paddings).reshape(-1, group_size), 0, BATCH_AXES, mesh=self.mesh)
         uniform = None
-        if self.router == "top2" and self.second_expert_policy == "random":
+        if self.router == "top2" and self.second_expert_policy in ("random", "sampling"):
             rng = jax.random.key(0) if rng is None else rng
-            uniform = split(jax.random.uniform(rng, tokens.shape[:2]), 0, BATCH_AXES, mesh=self.mesh)
+            shape = tokens.shape[:2] + ((self.num_experts,) if self.second_expert_policy == "sampling" else ())
+            uniform = split(jax.random.uniform(rng, shape), 0, BATCH_AXES, mesh=self.mesh)
         capacity = self.capacity(group_size)
         weights = (self.router_weights[...], self.expert_wi[...], self.expert_wo[...])
+        local = functools.partial(self._local, capacity=capacity, fprop_dtype=fprop_dtype)
         if self.mesh is None or self.mesh.size == 1:
-            y, routing = self._local(tokens, *weights, uniform, capacity=capacity, sharded=False)
+            y, routing = local(tokens, *weights, uniform, paddings, sharded=False)
         else:
             batch_spec, expert_spec = PartitionSpec(BATCH_AXES), PartitionSpec(EXPERT_AXIS)
+            optional = lambda value: None if value is None else batch_spec
+            routing_spec = Routing(
+                batch_spec, batch_spec, PartitionSpec(), PartitionSpec(), group_size, dict(self.gating_options)["mask_dtype"]
+            )
             y, routing = jax.shard_map(
-                functools.partial(self._local, capacity=capacity, sharded=True),
+                functools.partial(local, sharded=True),
                 mesh=self.mesh,
-                in_specs=(batch_spec, PartitionSpec(), expert_spec, expert_spec,
-                          None if uniform is None else batch_spec),
-                out_specs=(batch_spec, Routing(batch_spec, batch_spec, PartitionSpec(), PartitionSpec(), group_size)),
-            )(tokens, *weights, uniform)
-        return y.reshape(batch, length, d_model), routing
+                in_specs=(batch_spec, PartitionSpec(), expert_spec, expert_spec, optional(uniform), optional(paddings)),
+                out_specs=(batch_spec, routing_spec),
+            )(tokens, *weights, uniform, paddings)
+        return y.reshape(batch, length, d_model).astype(x.dtype), routing
 
-    def _local(self, tokens, router_weights, expert_wi, expert_wo, uniform, *, capacity: int, sharded: bool):
+    def _local(
+        self, tokens, router_weights, expert_wi, expert_wo, uniform, paddings, *, capacity: int, fprop_dtype,
+        sharded: bool,
+    ):
         """Route, dispatch, run the experts and combine, for the groups and experts held locally.
 
         Sharded (inside ``shard_map``): tokens [G/n, S, M] of this device, expert weights of its
         E/n_expert experts; buffers [E, G/n, C, M] travel by all-to-all over the "expert" axis.
+        Experts compute in ``fprop_dtype`` (weights cast on use: float32 masters stay float32).
         """
-        logits = jnp.einsum("gsm,me->gse", tokens, router_weights)
-        routing = route(
-            logits, capacity, router=self.router, second_expert_policy=self.second_expert_policy,
-            second_choice_uniform=uniform,
-        )
+        logits = jnp.einsum("gsm,me->gse", tokens, router_weights.astype(tokens.dtype))
+        options = dict(dict(self.gating_options), paddings=paddings, fprop_dtype=fprop_dtype)
+        if self.router == "top2":
+            options.update(second_expert_policy=self.second_expert_policy, second_choice_uniform=uniform)
+        routing = route(logits, capacity, router=self.router, **options)
+        tokens = tokens.astype(fprop_dtype)
         expert_in = dispatch(routing, tokens, self.dispatch)  # [E, G, C, M]
         if sharded:  # -> [E / n_expert, G * n_expert, C, M]
             expert_in = jax.lax.all_to_all(expert_in, EXPERT_AXIS, 0, 1, tiled=True)
-        expert_out = _expert_ffn(expert_in, expert_wi, expert_wo)
+        expert_out = _expert_ffn(expert_in, expert_wi.astype(fprop_dtype), expert_wo.astype(fprop_dtype))
         if sharded:
             expert_out = jax.lax.all_to_all(expert_out, EXPERT_AXIS, 1, 0, tiled=True)
         y = combine(routing, expert_out, self.dispatch)
@@ -191,12 +253,13 @@ class CausalSelfAttention(nnx.Module):
         self.out = _scaled_normal(rngs, (num_heads, head_dim, d_model), d_model)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = jnp.unstack(jnp.einsum("blm,mthd->tbhld", x, self.qkv[...]), axis=0)
+        q, k, v = jnp.unstack(jnp.einsum("blm,mthd->tbhld", x, self.qkv[...].astype(x.dtype)), axis=0)
         scores = jnp.einsum("bhqd,bhkd->bhqk", q, k) / math.sqrt(q.shape[-1])
         length = x.shape[1]
         causal = jnp.tril(jnp.ones((length, length), bool))
-        weights = jax.nn.softmax(jnp.where(causal, scores, -1e30), axis=-1)
-        return jnp.einsum("bhqk,bhkd,hdm->bqm", weights, v, self.out[...])
+        # Softmax in float32 whatever the compute dtype (bfloat16 scores lose the small weights).
+        weights = jax.nn.softmax(jnp.where(causal, scores.astype(jnp.float32), -1e30), axis=-1).astype(x.dtype)
+        return jnp.einsum("bhqk,bhkd,hdm->bqm", weights, v, self.out[...].astype(x.dtype))
 
 
 class TransformerBlock(nnx.Module):
@@ -208,9 +271,11 @@ class TransformerBlock(nnx.Module):
         self.ffn_norm = nnx.LayerNorm(d_model, rngs=rngs)
         self.ffn = feed_forward
 
-    def __call__(self, x: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, Routing | None]:
+    def __call__(
+        self, x: jax.Array, *, rng: jax.Array | None = None, paddings: jax.Array | None = None
+    ) -> tuple[jax.Array, Routing | None]:
         x = x + self.attention(self.attention_norm(x))
         if isinstance(self.ffn, MoEFeedForward):
-            y, routing = self.ffn(self.ffn_norm(x), rng=rng)
+            y, routing = self.ffn(self.ffn_norm(x), rng=rng, paddings=paddings)
             return x + y, routing
         return x + self.ffn(self.ffn_norm(x)), None

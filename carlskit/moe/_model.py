@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import time
 from typing import Any, Callable
 
@@ -17,7 +18,7 @@ from carlskit._checks import finite_float, integer, positive_float, positive_int
 
 from ._dispatch import DISPATCH_MODES
 from ._gating import SECOND_EXPERT_POLICIES, experts_per_token
-from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _scaled_normal
+from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _dtype, _scaled_normal
 from ._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
 
 EXPERT_PARAMS = ("expert_wi", "expert_wo")
@@ -32,7 +33,21 @@ class MoEModel(nnx.Module):
     FLOPs: MoE slots become dense FFNs of width ``k * ffn_dim`` (k = 2 for top-2).
 
     ``loss(tokens) = next-token cross-entropy + aux_loss_weight * mean aux loss
-    + z_loss_weight * mean router z-loss`` over MoE layers.
+    + z_loss_weight * mean router z-loss`` over MoE layers (the z-loss, ST-MoE eq. 5, is a
+    training term as soon as ``z_loss_weight > 0``; it is always reported in the metrics).
+
+    Variable-length rows: with ``pad_id``, tokens equal to ``pad_id`` are padding (put them at
+    the end of a row: attention is causal, so real tokens never see them). Padded inputs are
+    routed to no expert, take no capacity and are left out of the aux and z losses; padded
+    targets are left out of the cross-entropy (a mean over real target tokens).
+
+    ``dtype`` is the compute dtype: with ``jnp.bfloat16`` the parameters stay float32 (master
+    weights, updated by the optimizer in float32) and are cast to bfloat16 on use, so
+    activations, expert buffers and combine weights are bfloat16; the router's softmax, attention
+    softmax, layer-norm statistics and the loss run in float32.
+
+    Gating options (``expert_capacity``, ``second_expert_threshold``, ``gating_logit_cap``,
+    ``renormalize_after_drops``) are passed to every :class:`MoEFeedForward`.
 
     With ``mesh`` (a ``jax.sharding.Mesh`` with axes "data" and "expert"): parameters are placed
     at construction (expert weights split over "expert", the rest replicated), the batch is split
@@ -52,6 +67,12 @@ class MoEModel(nnx.Module):
         aux_loss_weight: float = 1e-2,
         z_loss_weight: float = 0.0,
         second_expert_policy: str = "random",
+        second_expert_threshold: float = 0.5,
+        gating_logit_cap: float = 0.0,
+        renormalize_after_drops: bool = False,
+        expert_capacity: int | None = None,
+        dtype: Any = jnp.float32,
+        pad_id: int | None = None,
         router: str = "top2",
         dispatch: str = "scatter",
         ffn_dim: int | None = None,
@@ -81,6 +102,20 @@ class MoEModel(nnx.Module):
             positive_int(group_size, "group_size")
         for name, value in (("aux_loss_weight", aux_loss_weight), ("z_loss_weight", z_loss_weight)):
             finite_float(value, name, minimum=0.0)
+        gating = dict(
+            second_expert_threshold=positive_float(second_expert_threshold, "second_expert_threshold"),
+            gating_logit_cap=finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0),
+            renormalize_after_drops=renormalize_after_drops,
+            expert_capacity=None if expert_capacity is None else positive_int(expert_capacity, "expert_capacity"),
+        )
+        if not isinstance(renormalize_after_drops, bool):
+            raise TypeError(f"renormalize_after_drops must be a bool, got {renormalize_after_drops!r}")
+        self.dtype = _dtype(dtype, "dtype")
+        if pad_id is not None:
+            pad_id = integer(pad_id, "pad_id", 0)
+            if pad_id >= vocab_size:
+                raise ValueError(f"pad_id must be < vocab_size={vocab_size}, got {pad_id}")
+        self.pad_id = pad_id
         if mesh is not None:
             if not isinstance(mesh, Mesh) or not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
                 raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", got {mesh!r}')
@@ -103,7 +138,7 @@ class MoEModel(nnx.Module):
                 else:
                     ffn = MoEFeedForward(
                         d_model, ffn_dim, num_experts, capacity_factor=capacity_factor, router=router,
-                        second_expert_policy=second_expert_policy, dispatch=dispatch,
+                        second_expert_policy=second_expert_policy, dispatch=dispatch, **gating,
                         group_size=group_size, mesh=mesh, rngs=rngs,
                     )
             else:
@@ -162,26 +197,48 @@ class MoEModel(nnx.Module):
 
     # ----------------------------------------------------------------------------- forward
     def __call__(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, list]:
-        """Logits [B, L, vocab] and the routings of the MoE layers."""
+        """float32 logits [B, L, vocab] and the routings of the MoE layers (computed in ``dtype``)."""
+        if self.dtype is jnp.float32:
+            return self._forward(tokens, rng)
+        # Mixed precision: a bfloat16 copy of the float32 parameters for this forward pass; the
+        # cast is differentiable, so gradients arrive in float32 on the master weights.
+        graphdef, state = nnx.split(self)
+        low = jax.tree.map(lambda v: v.astype(self.dtype) if jnp.issubdtype(v.dtype, jnp.floating) else v, state)
+        return nnx.merge(graphdef, low)._forward(tokens, rng)
+
+    def paddings(self, tokens: jax.Array) -> jax.Array | None:
+        """[B, L] 1 where ``tokens == pad_id`` (None without ``pad_id``)."""
+        return None if self.pad_id is None else (tokens == self.pad_id).astype(jnp.int32)
+
+    def _forward(self, tokens: jax.Array, rng: jax.Array | None) -> tuple[jax.Array, list]:
         length = tokens.shape[1]
         embedding = self.embedding[...]
-        x = jnp.take(embedding, tokens, axis=0) * np.sqrt(embedding.shape[1]) + self.position_embedding[...][:length]
+        paddings = self.paddings(tokens)
+        # math.sqrt (a Python float) keeps bfloat16 activations bfloat16; np.sqrt would promote them.
+        x = jnp.take(embedding, tokens, axis=0) * math.sqrt(embedding.shape[1]) + self.position_embedding[...][:length]
         x = split(x, 0, BATCH_AXES, mesh=self.mesh)
         routings = []
         for i, block in enumerate(self.blocks):
             layer_rng = None if rng is None else jax.random.fold_in(rng, i)
-            x, routing = block(x, rng=layer_rng)
+            x, routing = block(x, rng=layer_rng, paddings=paddings)
             if routing is not None:
                 routings.append(routing)
-        logits = self.final_norm(x) @ embedding.T
+        logits = (self.final_norm(x) @ embedding.T).astype(jnp.float32)
         return split(logits, 0, BATCH_AXES, mesh=self.mesh), routings
 
     def loss_and_metrics(self, tokens: jax.Array, *, rng: jax.Array | None = None) -> tuple[jax.Array, dict]:
         """Training loss and metrics (cross_entropy, aux_loss, router_z_loss, drop fractions,
-        expert_load [num_moe_layers, E]) for int tokens [B, L]."""
+        expert_load [num_moe_layers, E], target_tokens) for int tokens [B, L]."""
         logits, routings = self(tokens[:, :-1], rng=rng)
-        cross_entropy = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]))
-        metrics: dict[str, jax.Array] = {"cross_entropy": cross_entropy}
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+        if self.pad_id is None:
+            target_tokens = jnp.asarray(losses.size, jnp.float32)
+            cross_entropy = jnp.mean(losses)
+        else:  # mean over real targets only
+            real = (tokens[:, 1:] != self.pad_id).astype(jnp.float32)
+            target_tokens = jnp.sum(real)
+            cross_entropy = jnp.sum(losses * real) / jnp.maximum(target_tokens, 1.0)
+        metrics: dict[str, jax.Array] = {"cross_entropy": cross_entropy, "target_tokens": target_tokens}
         loss = cross_entropy
         if routings:
             aux = jnp.mean(jnp.stack([r.aux_loss for r in routings]))
@@ -216,7 +273,8 @@ class MoEModel(nnx.Module):
         (default Adam with ``learning_rate``); parameters are updated in place.
 
         Returns the history: per step ``loss``, ``cross_entropy``, ``aux_loss``, drop fractions,
-        ``expert_load``; ``eval_loss`` every ``eval_every`` steps (if ``eval_tokens``).
+        ``expert_load``, ``seconds`` (training wall time since the start, evaluations excluded);
+        ``eval_loss`` (validation cross-entropy, nats) every ``eval_every`` steps (if ``eval_tokens``).
         """
         # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
         batch_size = positive_int(batch_size, "batch_size")
@@ -250,8 +308,10 @@ class MoEModel(nnx.Module):
             )
             record = {k: np.asarray(v) for k, v in metrics.items()}
             if eval_tokens is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                evaluation_started = time.perf_counter()
                 nnx.update(self, state)
                 record["eval_loss"] = self.evaluate(eval_tokens, batch_size=batch_size)["cross_entropy"]
+                started += time.perf_counter() - evaluation_started  # "seconds" counts training only
             history["step"].append(step)
             history["seconds"].append(time.perf_counter() - started)
             for key, value in record.items():
@@ -263,7 +323,9 @@ class MoEModel(nnx.Module):
 
     def evaluate(self, tokens: Any, *, batch_size: int | None = None) -> dict[str, float]:
         """Mean metrics over all rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
-        ``cross_entropy``, ``perplexity``, ``aux_loss``, drop fractions.
+        ``cross_entropy`` (nats per real target token), ``bits_per_token`` (the same in bits: bits
+        per byte for a byte-level model), ``perplexity``, ``aux_loss``, drop fractions,
+        ``target_tokens``.
 
         Rows are run in batches of ``batch_size`` (default all); a last, smaller batch holds the
         remainder, and each batch's metrics are weighted by its rows.
@@ -282,14 +344,21 @@ class MoEModel(nnx.Module):
             )
         graphdef, state = nnx.split(self)
         totals: dict[str, float] = {}
+        targets = 0.0
         for start in range(0, len(data), batch_size):
             rows = data[start : start + batch_size]
             _, metrics = _eval_step(graphdef, state, self.shard_batch(rows))
+            batch_targets = float(metrics.pop("target_tokens"))
+            targets += batch_targets
+            # cross-entropy is a mean over (real) target tokens: weight it by them; the rest by rows
             for key, value in metrics.items():
                 if np.ndim(value) == 0:
-                    totals[key] = totals.get(key, 0.0) + float(value) * len(rows)
-        result = {key: value / len(data) for key, value in totals.items()}
+                    weight = batch_targets if key == "cross_entropy" else len(rows)
+                    totals[key] = totals.get(key, 0.0) + float(value) * weight
+        result = {key: value / (targets if key == "cross_entropy" else len(data)) for key, value in totals.items()}
+        result["target_tokens"] = targets
         result["perplexity"] = float(np.exp(result["cross_entropy"]))
+        result["bits_per_token"] = result["cross_entropy"] / math.log(2.0)
         return result
 
     def generate(

@@ -140,3 +140,61 @@ def test_router_z_loss_formula():
     logits = jnp.array([[[0.0, 0.0], [1.0, 2.0]]])
     expected = np.mean(np.log([2.0, np.e + np.e**2]) ** 2)
     assert float(router_z_loss(logits)) == pytest.approx(expected, rel=1e-5)
+
+
+def assert_distinct_experts_and_unit_weights(routing):
+    """Every token holds at most one slot per expert; a kept token's weights sum to 1."""
+    dispatch = np.asarray(routing.dispatch_mask).astype(bool)  # [G, S, E, C]
+    assert dispatch.sum(axis=3).max() <= 1, "a token was sent twice to the same expert"
+    weights = np.asarray(routing.combine_weights, np.float32).sum(axis=(2, 3))
+    kept = dispatch.any(axis=(2, 3))
+    np.testing.assert_allclose(weights[kept], 1.0, atol=1e-2 if routing.slot_weight.dtype == jnp.bfloat16 else 1e-6)
+
+
+EXTREME_LOGITS = np.array(
+    [
+        [100.0, -100.0, -100.0, -100.0],  # softmax underflows: every gate but expert 0's is exactly 0
+        [-100.0, 100.0, -100.0, -100.0],
+        [0.0, 0.0, 0.0, 0.0],  # four-way tie
+        [5.0, 5.0, -100.0, -100.0],  # two-way tie
+        [100.0, 0.0, -100.0, -100.0],
+        [-100.0, -100.0, -100.0, 100.0],
+    ],
+    np.float32,
+)[None]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_second_choice_is_another_expert_for_extreme_gaps_ties_and_bfloat16(dtype):
+    # Before: with every other gate exactly 0 and the first choice expert 0, argmax of the masked
+    # gates returned expert 0 again and g2 was read from the unmasked gates: the token took two
+    # slots of expert 0 at 0.5 + 0.5, and kept only 0.5 when the second slot overflowed.
+    logits = jnp.asarray(EXTREME_LOGITS, dtype)
+    # Roomy capacity, then so tight (C=1) that any second slot of expert 0 overflows; with drops,
+    # weights sum to 1 only if kept gates are renormalised afterwards.
+    cases = [("all", 6, False), ("all", 1, True), ("all", 1, False), ("random", 1, True), ("sampling", 6, False)]
+    for policy, capacity, renormalize in cases:
+        routing = top2_gating(
+            logits, capacity, second_expert_policy=policy, rng=jax.random.key(3),
+            renormalize_after_drops=renormalize,
+        )
+        if renormalize or capacity == 6:
+            assert_distinct_experts_and_unit_weights(routing)
+        combine = np.asarray(routing.combine_weights, np.float32)[0]  # [S, E, C]
+        assert combine[0, 0].sum() == 1.0 and combine[0].sum() == 1.0  # token 0: all weight on expert 0
+    # Ties: first choice the lowest index, second the next one, half the weight each.
+    routing = top2_gating(logits, 6, second_expert_policy="all")
+    per_expert = np.asarray(routing.combine_weights, np.float32)[0].sum(axis=2)
+    np.testing.assert_allclose(per_expert[2], [0.5, 0.5, 0, 0])
+    np.testing.assert_allclose(per_expert[3], [0.5, 0.5, 0, 0])
+    # A second choice with gate 0 takes no slot: only the four tokens with two live gates use two slots.
+    dispatch = np.asarray(routing.dispatch_mask)[0]
+    assert dispatch.sum(axis=(1, 2)).tolist() == [1, 1, 2, 2, 1, 1]
+
+
+def test_large_random_logits_give_two_distinct_experts_summing_to_one():
+    logits = np.random.default_rng(7).normal(size=(4, 64, 8)).astype(np.float32) * 100.0
+    for dtype in (jnp.float32, jnp.bfloat16):
+        routing = top2_gating(jnp.asarray(logits, dtype), 64, second_expert_policy="all")
+        assert_distinct_experts_and_unit_weights(routing)
+        assert float(routing.metrics["dropped_tokens"]) == 0.0
