@@ -16,7 +16,6 @@ from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from carlskit._checks import finite_float, positive_float, positive_int
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import cloudpickle
 import distributed
 import pytest
-from distributed import Client, Security
+from distributed import Security
 
 import carlskit
 from carlskit.cluster._environment import machine_has_accelerator

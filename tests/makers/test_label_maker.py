@@ -1,7 +1,6 @@
 """LabelMaker: mined labels and confidences from each checkpoint, written with its version."""
 
 import functools
-import time
 
 import numpy as np
 import optax

@@ -1,7 +1,6 @@
 """MoEModel: loss, determinism, training, evaluation, generation, dense baseline."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx

@@ -3,13 +3,12 @@
 import json
 import subprocess
 import sys
-from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from carlskit.bank import KnowledgeBank
-from carlskit.data import load_digits, load_planetoid
+from carlskit.data import load_digits
 from carlskit.paradigms import graph_reg
 from carlskit.training import check_embedding_dim
 
