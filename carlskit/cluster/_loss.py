@@ -46,6 +46,11 @@ def is_worker_loss(error: BaseException | None) -> bool:
     return False
 
 
+LOST_STATES = frozenset({"error", "cancelled", "lost"})
+
+
 def actor_lost(actor_future: Any) -> bool:
-    """True when the actor created by ``actor_future`` (``client.submit(Cls, actor=True)``) is gone."""
-    return actor_future is not None and actor_future.status != "finished"
+    """True when the actor created by ``actor_future`` (``client.submit(Cls, actor=True)``) is gone:
+    its future left ``"finished"`` for ``"lost"``, ``"cancelled"`` or ``"error"``. A ``"pending"``
+    future (a watch on an actor's key whose state has not arrived yet) says nothing of a loss."""
+    return actor_future is not None and actor_future.status in LOST_STATES

@@ -602,9 +602,9 @@ class SummaryWriter:
         try:
             from distributed import Future
 
-            future = Future(shard.actor.key, self._restart_client())
-            future.result(timeout=30)  # "finished" once the scheduler confirms: "pending" is not lost
-            shard.future = future
+            # Not waited on: inside a task that wait cost up to 30 s a shard. Until the scheduler
+            # confirms it the future is "pending", which actor_lost does not count as a loss.
+            shard.future = Future(shard.actor.key, self._restart_client())
         except Exception:  # no client here: the loss is then told by the worker list (_actor_gone)
             shard.future = None
 
