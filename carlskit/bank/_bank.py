@@ -23,6 +23,7 @@ against the value being replaced; counted as ``discarded_by_update``).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import gc
@@ -1173,10 +1174,10 @@ class KnowledgeBank:
         direct server stops with its actor, once no bank (or published dataset) holds it."""
         self._stop_snapshotter()
         if self._wal_directory is not None and self._shards:
-            try:
+            # Closing must release every shard even when one is lost (its log file stays as it
+            # was, which recover() would replay) or the bank is already closed (ValueError).
+            with contextlib.suppress(ShardLostError, ValueError):
                 self._call_all("stop_write_ahead_log")
-            except (ShardLostError, ValueError):
-                pass
         owned = bool(self._shard_futures)
         self._direct = None
         for future in self._shard_futures:
