@@ -123,8 +123,12 @@ def test_automatic_snapshots_every_versions_keep_the_newest(tmp_path):
         before = bank.latest_snapshot()
         bank.update("emb", [2], np.ones((1, DIM)), version=version)
         wait_until(lambda: bank.latest_snapshot() != before, seconds=30)
-    names = sorted(p for p in os.listdir(tmp_path / "snaps") if p.startswith("snapshot-"))
-    assert len(names) == 2 and names[-1] == os.path.basename(bank.latest_snapshot())
+    def names():
+        return sorted(p for p in os.listdir(tmp_path / "snaps") if p.startswith("snapshot-"))
+
+    # the snapshot is published (manifest) before the old ones are pruned: wait for the pruning
+    wait_until(lambda: len(names()) == 2, seconds=30)
+    assert names()[-1] == os.path.basename(bank.latest_snapshot())
     assert bank.status()["snapshots"]["snapshots"]["state"] == "running"
     bank.close()
     assert bank._snapshotter is None
