@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import threading
 import uuid
 import zipfile
 import zlib
@@ -34,6 +35,14 @@ import numpy as np
 from carlskit._errors import CorruptFileError
 
 CHECKED_JSON_FORMAT = "carlskit.checked-json/1"
+
+# numpy parses every .npy header with ``ast.literal_eval``. On CPython 3.11 the AST constructor's
+# recursion counter is shared by all threads of the interpreter (python/cpython#106905): when a
+# garbage collection runs a finalizer mid-construction and another thread parses a header meanwhile,
+# one of them raises ``SystemError: AST constructor recursion depth mismatch``. Maker slices in
+# one Dask worker load checkpoints from several threads at once, so every .npy/.npz read in carlskit
+# holds this lock (reads are milliseconds; decoding, not I/O, is what it serializes).
+NUMPY_READ_LOCK = threading.Lock()
 
 def filesystem(path: str | os.PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """The fsspec filesystem and the path within it for a local path or a URL like ``memory://x``."""
@@ -76,7 +85,7 @@ def npz_bytes_to_arrays(data: bytes, path: str | os.PathLike = "<bytes>",
     if sha256 is not None and sha256_hex(data) != sha256:
         raise CorruptFileError(path, "SHA-256 differs from the one its manifest records")
     try:
-        with np.load(io.BytesIO(data), allow_pickle=False) as archive:
+        with NUMPY_READ_LOCK, np.load(io.BytesIO(data), allow_pickle=False) as archive:
             return {name: archive[name] for name in archive.files}
     except (zipfile.BadZipFile, zlib.error, EOFError, RuntimeError, NotImplementedError, KeyError,
             ValueError, OSError) as error:

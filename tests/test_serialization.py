@@ -41,3 +41,48 @@ def test_npz_damage_and_checksum_mismatch_name_the_file():
     for cut in (10, len(data) // 2, len(data) - 3):
         with pytest.raises(CorruptFileError, match="a.npz"):
             npz_bytes_to_arrays(data[:cut], "a.npz")
+
+
+class _CyclicGarbageWithFinalizer:
+    """Collected only by the cyclic GC, whose finalizer runs Python code: a thread switch point."""
+
+    def __init__(self):
+        self.self = self
+
+    def __del__(self):
+        sum(range(20))
+
+
+def test_npz_reads_from_many_threads_do_not_trip_the_shared_ast_counter():
+    # numpy parses .npy headers with ast.literal_eval; on CPython 3.11 concurrent parses with a GC
+    # finalizer in between raise "SystemError: AST constructor recursion depth mismatch"
+    # (python/cpython#106905), which failed a maker slice in CI. Without NUMPY_READ_LOCK this
+    # raises within the first few hundred reads (checked by removing the lock).
+    import gc
+    import sys
+    import threading
+
+    data = arrays_to_npz_bytes({f"a{i}": np.arange(3, dtype=np.float32) for i in range(20)})
+    errors = []
+
+    def read() -> None:
+        try:
+            for _ in range(150):
+                npz_bytes_to_arrays(data)
+                _CyclicGarbageWithFinalizer()
+        except Exception as error:  # noqa: BLE001 - any error is the failure being tested
+            errors.append(repr(error))
+
+    interval, threshold = sys.getswitchinterval(), gc.get_threshold()
+    sys.setswitchinterval(1e-6)
+    gc.set_threshold(10)
+    try:
+        threads = [threading.Thread(target=read) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        gc.set_threshold(*threshold)
+    assert not errors, errors[:3]

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from carlskit._errors import CorruptFileError
+from carlskit._serialization import NUMPY_READ_LOCK
 from carlskit.data._planetoid import PLANETOID_SUFFIXES, raw_file, read_planetoid_raw
 
 PLANETOID_URL = "https://github.com/kimiyoung/planetoid/raw/master/data"
@@ -163,7 +164,7 @@ def _convert(name: str, raw_directory: str | os.PathLike, output: str | os.PathL
 def _holds(path: str | os.PathLike, arrays: dict[str, np.ndarray]) -> bool:
     """Whether the .npz at ``path`` exists and holds exactly ``arrays`` (names, dtypes, values)."""
     try:
-        with np.load(path, allow_pickle=False) as existing:
+        with NUMPY_READ_LOCK, np.load(path, allow_pickle=False) as existing:
             return sorted(existing.files) == sorted(arrays) and all(
                 existing[k].dtype == v.dtype and np.array_equal(existing[k], v) for k, v in arrays.items())
     except (OSError, ValueError, EOFError, zipfile.BadZipFile):
