@@ -113,15 +113,21 @@ def test_small_co_training_run_grows_the_labelled_set_from_confident_self_labels
     assert rounds[-1]["self_label_acc"] > 0.8, "the most confident self-labels are mostly right"
     assert any(r.get("graph", 0) > 0 for r in result["history"]), "the agreement-weighted regularizer was active"
     assert 0 < result["history"][-1]["mean_agreement"] <= 1
-    # The plain MLP with the same data, seed, steps and classifier (what gam.compare trains). Measured
-    # on this config (training seeds 0/1): GAM 0.870/0.870 vs MLP 0.766/0.777 test accuracy, a gain
-    # of 0.104/0.093; the margin 0.05 is half of that. At this size the gain comes mostly from the
-    # self-labels: with the agreement weights zeroed it still holds, and only the "regularizer was
-    # active" assert above fails (checked by a temporary edit), so this asserts co-training's gain.
-    mlp_config = GraphRegConfig(hidden=config.hidden, dropout=config.dropout, learning_rate=config.learning_rate,
-                                weight_decay=config.weight_decay, steps=result["steps"], batch_size=config.batch_size)
-    base = graph_reg.train(data, mlp_config, regularize=False, seed=0)
-    assert result["test_acc"] >= base["test_acc"] + 0.05, (result["test_acc"], base["test_acc"])
+    # Against the plain MLP with the same data, seed, steps and classifier (what gam.compare trains).
+    # GAM's knowledge is asynchronous (which classifier checkpoint the embedding maker had encoded
+    # when a step read it depends on timing), so its accuracy varies from run to run: 10 runs on a
+    # quiet machine gave 0.800-0.870 (seed 0, MLP 0.766) and 0.837-0.879 (seed 1, MLP 0.777), one CI
+    # run 0.807; gains 0.034-0.104, mean 0.076, sd 0.023. So two seeds are averaged: the mean gain's
+    # sd is ~0.016 and the margin 0.03 sits ~2.9 sd below its mean, while a no-op (GAM reduced to
+    # the plain MLP) gains 0. Both halves of GAM contribute: with no self-labels accepted
+    # (threshold 1.5) it still reached 0.839/0.857 (seed 0) and 0.811 (seed 1).
+    gains = []
+    for seed, run in ((0, result), (1, None)):
+        run = run or gam.train(data, config, seed=seed)
+        mlp_config = GraphRegConfig(hidden=config.hidden, dropout=config.dropout, learning_rate=config.learning_rate,
+                                    weight_decay=config.weight_decay, steps=run["steps"], batch_size=config.batch_size)
+        gains.append(run["test_acc"] - graph_reg.train(data, mlp_config, regularize=False, seed=seed)["test_acc"])
+    assert np.mean(gains) >= 0.03 and min(gains) > 0, gains
     with pytest.raises(ValueError, match="GAM needs a graph"):
         gam.train(load_digits(0.05), config)
 
