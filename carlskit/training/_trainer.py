@@ -7,6 +7,7 @@ the latest one. The step itself is one pure jitted function of the model and opt
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import threading
@@ -20,8 +21,11 @@ import optax
 from flax import nnx
 
 from carlskit.bank import ShardLostError
+from carlskit.cluster._placement import Placement
+from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.training._checkpoint import CheckpointStore
 from carlskit.training._knowledge import with_bank_recovery
+from carlskit.training._remote import fit_on_worker
 from carlskit._checks import positive_int
 from carlskit.widgets import LivePlot, in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
@@ -46,6 +50,10 @@ class FitHandle:
         """Ask training to stop after the current step, then wait for it."""
         self._stop.set()
         self.wait()
+
+    def request_stop(self) -> None:
+        """Ask training to stop after the current step; return at once."""
+        self._stop.set()
 
     def wait(self, timeout: float | None = None) -> list[dict]:
         """Wait for the run to end; re-raise its error if it failed; return the history.
@@ -111,6 +119,7 @@ class Trainer:
         checkpoint_every = positive_int(checkpoint_every, "checkpoint_every")
         self.model = model
         self.optimizer = nnx.Optimizer(model, optimizer, wrt=nnx.Param)
+        self.optimizer_transform = optimizer
         self.loss_fn = loss_fn
         self.knowledge = knowledge
         if isinstance(checkpoints, (str, os.PathLike)):
@@ -126,6 +135,9 @@ class Trainer:
         #: lost bank shards rebuilt during fits: {"shards", "seconds", "report"} per recovery
         self.bank_recoveries: list[dict] = []
         self.history: list[dict] = []
+        #: where the last ``fit(client=...)`` ran: worker, group, host, backend, devices, resources
+        self.last_placement: dict | None = None
+        self.remote_restarts = 0  # fits on a worker resubmitted after the worker was lost
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
         self._mesh = _data_mesh()
         if self._mesh is not None:
@@ -192,12 +204,17 @@ class Trainer:
             _, tree, metadata = loaded
         else:
             tree, metadata = self.checkpoints.load(version, target=self.checkpoint_tree())
+        self.adopt(tree, int(metadata.get("step", metadata["version"])))
+        return True
+
+    def adopt(self, tree: dict, step: int) -> None:
+        """Make ``tree`` (a :meth:`checkpoint_tree`: ``{"model", "optimizer"}`` states) the training
+        state at ``step``, placed on this process's devices, and sync it into the model."""
         self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
             self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
-        self.step = int(metadata.get("step", metadata["version"]))
+        self.step = int(step)
         self.sync()
-        return True
 
     # -- training --------------------------------------------------------------------------------
     def fit(
@@ -208,6 +225,10 @@ class Trainer:
         block: bool = True,
         progress: bool | str = True,
         live: bool | None = None,
+        client: Any = None,
+        workers: list[str] | str | None = None,
+        resources: dict[str, float] | None = None,
+        restart_policy: Any = None,
     ) -> list[dict] | FitHandle:
         """Train for ``steps`` steps on ``data`` (an iterable of batches or ``f(step) -> batch``).
 
@@ -219,8 +240,23 @@ class Trainer:
         an iterable that ends early ends the fit early (``len(history)`` tells how many steps ran).
         Raises ``ValueError`` when the store already holds a checkpoint newer than ``step`` (after
         ``restore`` of an older version), since this run could not publish its checkpoints there.
+
+        With a Dask ``client``, the steps run on one of its workers (``workers=`` / ``resources=``,
+        as :class:`carlskit.cluster.Placement`; by default an accelerator worker if there is one):
+        the trainer's parts travel there, the bar, plot and summaries here follow its records, and
+        the state comes back at the end (``last_placement`` says where it ran). A lost worker costs
+        the steps since the last checkpoint: the fit is resubmitted under ``restart_policy`` (see
+        :mod:`carlskit.training._remote`).
         """
         steps = positive_int(steps, "steps")
+        placement = None
+        if client is not None:
+            placement = Placement.of(workers, resources)
+            if not callable(getattr(client, "submit", None)):
+                raise TypeError(f"client must be a dask.distributed.Client, got {type(client).__name__}")
+            restart_policy_of(restart_policy)  # checked now, not after the first lost worker
+        elif workers is not None or resources is not None or restart_policy is not None:
+            raise ValueError("workers=, resources= and restart_policy= place a fit on a Dask worker: pass client= too")
         if self._fitting:
             raise RuntimeError("this trainer is already fitting (a background fit is running); "
                                "stop() or wait() on its FitHandle first")
@@ -250,9 +286,14 @@ class Trainer:
                    leave=True)
         stop = threading.Event()
         self._fitting = True
+        if placement is None:
+            run_steps = functools.partial(self._fit, data, steps, stop, bar, plot)
+        else:
+            run_steps = functools.partial(fit_on_worker, self, client, data, steps, placement, restart_policy,
+                                          stop, bar, plot)
         if block:
             try:
-                self._fit(data, steps, stop, bar, plot)
+                run_steps()
             finally:
                 self._fitting = False
             return self.history
@@ -260,7 +301,7 @@ class Trainer:
 
         def run():
             try:
-                self._fit(data, steps, stop, bar, plot)
+                run_steps()
             except BaseException as error:  # surfaced by handle.wait()
                 handle.error = error
             finally:
@@ -360,7 +401,7 @@ class Trainer:
             return
         for name, value in record.items():
             if name != "step":
-                self.summaries.scalar(f"train/{name}", value, self.step)
+                self.summaries.scalar(f"train/{name}", value, record["step"])
 
     def _series(self) -> dict:
         steps = np.array([r["step"] for r in self.history])
