@@ -132,7 +132,10 @@ def fit_on_worker(trainer: Any, client: Any, data: Any, steps: int, placement: P
                 candidates = trainer_candidates(client, placement, accelerators_only)
                 if not candidates:
                     raise NoWorkerError(f"no live worker matches the trainer's placement ({placement})")
-                future = client.submit(_fit_on_this_worker, shipped, data, target, workers=candidates,
+                # Sent once per try, straight to the chosen workers (the model, its optimizer state and
+                # the data's arrays can be tens of MB): not through the scheduler in the task graph.
+                parts = client.scatter([shipped, data], workers=candidates, hash=False)
+                future = client.submit(_fit_on_this_worker, *parts, target, workers=candidates,
                                        allow_other_workers=False, pure=False, key=f"{name}-{uuid.uuid4().hex[:6]}")
                 result = _follow(trainer, client, future, candidates, queue, received, stop, remote_stop, bar, plot)
                 break
