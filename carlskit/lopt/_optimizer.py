@@ -243,8 +243,10 @@ class LearnedOptimizer:
         if live_plot or (live_plot is None and progress):
             from IPython.display import display
 
-            from carlskit.widgets import LivePlot, in_notebook
+            from carlskit._notebook import in_notebook
             if live_plot or in_notebook():
+                from carlskit.widgets import LivePlot
+
                 live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
                 display(live.widget)
         history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}

@@ -27,7 +27,7 @@ from carlskit.training._checkpoint import CheckpointStore
 from carlskit.training._knowledge import with_bank_recovery
 from carlskit.training._remote import fit_on_worker
 from carlskit._checks import positive_int
-from carlskit.widgets import LivePlot, in_notebook
+from carlskit._notebook import in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
 
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
@@ -276,6 +276,8 @@ class Trainer:
 
                 display(LiveSummaries(logdir, names=["train/loss", "train/staleness"]))
             else:
+                from carlskit.widgets import LivePlot
+
                 plot = LivePlot("Trainer")
                 display(plot.widget)  # from the calling thread; the training thread only sets values
         from tqdm.auto import tqdm
@@ -319,7 +321,7 @@ class Trainer:
         iterator = iter(data)
         return lambda: next(iterator)
 
-    def _fit(self, data, steps: int, stop: threading.Event, bar: Any, plot: LivePlot | None) -> None:
+    def _fit(self, data, steps: int, stop: threading.Event, bar: Any, plot: Any) -> None:  # a LivePlot or None
         try:
             prefetcher = Prefetcher(self._source(data, self.step),
                                     with_bank_recovery(self.knowledge, self.bank_recoveries), self.prefetch)

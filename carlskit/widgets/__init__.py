@@ -7,7 +7,8 @@ text (``__repr__``) where no widget front end exists.
 from carlskit.widgets._cluster_status import ClusterStatus
 from carlskit.widgets._display import smooth
 from carlskit.widgets._eval_curves import EvalCurves, curves_frame
-from carlskit.widgets._history import LivePlot, in_notebook
+from carlskit._notebook import in_notebook
+from carlskit.widgets._history import LivePlot
 from carlskit.widgets._live import LiveSummaries
 
 __all__ = ["LiveSummaries", "LivePlot", "EvalCurves", "ClusterStatus", "curves_frame", "smooth", "in_notebook"]

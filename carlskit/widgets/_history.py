@@ -12,16 +12,6 @@ import numpy as np
 from carlskit.widgets._display import check_smoothing, placeholder_png, render_png, smooth
 
 
-def in_notebook() -> bool:
-    """True inside a Jupyter kernel (where widgets can render)."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return False
-    shell = get_ipython()
-    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
-
-
 class LivePlot:
     """Curves of named series against step, updated in place.
 

@@ -233,3 +233,18 @@ def test_live_plot_updates_in_place_from_another_thread_and_rate_limits():
     assert not plot.update({"loss": (steps, steps)}), "within every_seconds: no render"
     assert plot.update({"loss": (steps, steps), "staleness": (steps, steps % 5)}, force=True)
     assert bytes(plot.widget.value) != first and plot.renders == 2
+
+
+def test_core_packages_load_no_ui_library():
+    # Dask workers, bank actors, learners and command lines import these packages; the UI libraries
+    # (ipywidgets, matplotlib, pandas) load only when something is shown. (IPython itself comes in
+    # through flax.nnx's repr module, which is not ours to change.)
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "import carlskit.training, carlskit.bank, carlskit.makers, carlskit.lopt, carlskit.moe, carlskit.cluster\n"
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'ipywidgets', 'matplotlib', 'pandas'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
