@@ -71,8 +71,9 @@ def atomic_write(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
 
 
 def arrays_to_npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """An uncompressed ``.npz`` of ``arrays``; object arrays are refused (no pickle is ever written)."""
     buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
+    np.savez(buffer, allow_pickle=False, **arrays)
     return buffer.getvalue()
 
 

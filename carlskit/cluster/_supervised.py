@@ -152,6 +152,19 @@ def secede_if_on_worker() -> None:
         secede()
 
 
+def log_worker_event(topic: str, message: dict) -> bool:
+    """Log ``message`` as a Dask event under ``topic`` when called on a worker (clients subscribe
+    with ``Client.subscribe_topic``); returns False, logging nothing, anywhere else."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:  # not on a worker (embedded threads, the client)
+        return False
+    worker.log_event(topic, message)
+    return True
+
+
 class ThreadStopFlag:
     """``threading.Event`` with ``distributed.Event``'s ``is_set``/``set``/``clear`` (embedded mode)."""
 

@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from carlskit.cluster._supervised import secede_if_on_worker
+from carlskit.cluster._supervised import log_worker_event, secede_if_on_worker
 from carlskit.lopt._checks import check_meta_params, positive_float, positive_int
 from carlskit.lopt._estimators import make_full_es_estimator
 from carlskit.lopt._inner import check_aggregation
@@ -58,11 +58,7 @@ class ESWorkerConfig:
 
 def report_event(topic: str, message: dict) -> None:
     """A small status message for the client (a Dask event when on a worker, else a log line)."""
-    try:
-        from distributed import get_worker
-
-        get_worker().log_event(topic, message)
-    except ValueError:
+    if not log_worker_event(topic, message):
         logger.debug("%s: %s", topic, message)
 
 

@@ -21,7 +21,6 @@ and no temporary file; a reader sees the old file or the new one, never a mix.
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -33,8 +32,8 @@ import jax
 import numpy as np
 
 from carlskit._errors import CorruptFileError
-from carlskit._serialization import (atomic_write, dumps_checked_json, filesystem, loads_checked_json,
-                                     npz_bytes_to_arrays, sha256_hex)
+from carlskit._serialization import (arrays_to_npz_bytes, atomic_write, dumps_checked_json, filesystem,
+                                     loads_checked_json, npz_bytes_to_arrays, sha256_hex)
 
 FORMAT_VERSION = 3
 LEGACY_FORMAT_VERSION = 2  # plain JSON description, no checksums: still read
@@ -113,12 +112,6 @@ def _flatten(meta_params: Any) -> tuple[Any, dict[str, np.ndarray]]:
     return walk(meta_params, "meta_params"), arrays
 
 
-def _npz_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    buffer = io.BytesIO()
-    np.savez(buffer, allow_pickle=False, **arrays)
-    return buffer.getvalue()
-
-
 def _leaf_record(array: np.ndarray) -> list:
     """``[dtype, shape, sha256]`` of one array: what the description promises about its entry."""
     array = np.ascontiguousarray(array)
@@ -142,7 +135,7 @@ def save_meta_params(path: str | os.PathLike, meta_params: Any, config: dict[str
                 "leaves": {name: _leaf_record(array) for name, array in arrays.items()}}
     description = dumps_checked_json(document)
     arrays[DESCRIPTION_ENTRY] = np.frombuffer(description, np.uint8)
-    data = _npz_bytes(arrays)
+    data = arrays_to_npz_bytes(arrays)
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(*filesystem(target), data)
     return target

@@ -180,10 +180,6 @@ class Learner:
         with self._lock:
             return self.outer_step, [np.asarray(leaf) for leaf in jax.tree.leaves(self.meta_params)]
 
-    def meta_params_tree(self) -> PyTree:
-        with self._lock:
-            return jax.tree.map(np.asarray, self.meta_params)
-
     # ------------------------------------------------------------------ one update
     def _check_initial_meta_params(self, meta_params: PyTree) -> None:
         """Same tree structure and leaf shapes as the rule's, floating dtypes, finite values."""

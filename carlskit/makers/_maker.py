@@ -37,6 +37,7 @@ import numpy as np
 from carlskit._checks import positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._placement import Placement
+from carlskit.cluster._supervised import log_worker_event
 from carlskit.cluster._supervised import restart_policy as as_restart_policy
 from carlskit.cluster._supervised import (
     LongRunningTasks,
@@ -76,11 +77,7 @@ _LOCAL_HANDLERS: dict[str, Callable[[tuple[float, dict]], None]] = {}
 
 def _report(topic: str, message: dict) -> None:
     """Send a status message to the client (Dask event) or to the maker in this process (threads)."""
-    try:
-        from distributed import get_worker
-
-        get_worker().log_event(topic, message)
-    except ValueError:  # not on a worker: embedded mode
+    if not log_worker_event(topic, message):  # not on a worker: embedded mode
         handler = _LOCAL_HANDLERS.get(topic)
         if handler is not None:
             handler((time.time(), message))

@@ -9,7 +9,7 @@ TensorBoard export: ``SummaryReader.to_tensorboard`` and ``python -m carlskit.su
 
 from carlskit.summaries._format import CorruptRecordError
 from carlskit.summaries._reader import SummaryReader
-from carlskit.summaries._writer import SummaryAggregator, SummaryAggregatorError, SummaryWriter, shard_of
+from carlskit.summaries._writer import SummaryAggregator, SummaryAggregatorError, SummaryWriter, aggregator_of
 
 __all__ = ["SummaryWriter", "SummaryReader", "SummaryAggregator", "SummaryAggregatorError",
-           "CorruptRecordError", "shard_of"]
+           "CorruptRecordError", "aggregator_of"]

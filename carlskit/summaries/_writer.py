@@ -52,7 +52,7 @@ MAX_TEXT_BYTES = (1 << 31) - 1  # lengths are u32 in the file format
 CALL_TIMEOUT_SECONDS = 120.0
 
 
-def shard_of(name: str, n_shards: int) -> int:
+def aggregator_of(name: str, n_shards: int) -> int:
     """Stable shard of a summary name: ``crc32(utf8(name)) mod n_shards`` (same in every process,
     unlike Python's salted ``hash``)."""
     return zlib.crc32(name.encode("utf-8")) % n_shards
@@ -172,7 +172,7 @@ class SummaryWriter:
     Without a client, the writer appends to its own files in ``logdir``. With a Dask client it
     starts one :class:`SummaryAggregator` actor per shard (default: one per worker), and each flush
     sends every shard *one* call carrying all pending summaries whose name hashes to it
-    (:func:`shard_of`); each aggregator appends to its own files. ``logdir`` must then be a path
+    (:func:`aggregator_of`); each aggregator appends to its own files. ``logdir`` must then be a path
     every worker sees (a local or shared file system).
 
     Lost aggregators: the writer holds each shard's batches until its aggregator acknowledges
@@ -545,7 +545,7 @@ class SummaryWriter:
             batches = self._take_batches()
             per_shard: dict[int, list[Batch]] = {}
             for batch in batches:
-                per_shard.setdefault(shard_of(batch[1], len(self._shards)), []).append(batch)
+                per_shard.setdefault(aggregator_of(batch[1], len(self._shards)), []).append(batch)
             for index, part in per_shard.items():
                 shard = self._shards[index]
                 entries = sum(batch[2] for batch in part)

@@ -78,12 +78,6 @@ class ClusterStatus(WidgetDisplay):
                          if every_seconds is not None else None)
         self.refresh()
 
-    def add_source(self, source: StatusSource) -> None:
-        if not (hasattr(source, "status") or callable(source)):
-            raise TypeError(f"source needs a status() method or must be callable; got {source!r}")
-        self.sources.append(source)
-        self.refresh()
-
     def refresh(self, *, devices: bool = False) -> dict[str, Any]:
         """Collect a new snapshot (``workers``, ``devices``, ``sources``) and redraw."""
         snapshot: dict[str, Any] = {"time": time.strftime("%H:%M:%S"), "workers": self._workers()}

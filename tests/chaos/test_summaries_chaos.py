@@ -18,7 +18,7 @@ import pytest
 
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._supervised import RestartPolicy
-from carlskit.summaries import SummaryReader, SummaryWriter, shard_of
+from carlskit.summaries import SummaryReader, SummaryWriter, aggregator_of
 from process_helpers import connected_cluster
 
 pytestmark = pytest.mark.slow
@@ -37,7 +37,7 @@ def names_on_both_shards(per_shard: int = 4) -> list[str]:
     index = 0
     while min(counts) < per_shard:
         name = f"chaos/metric_{index}"
-        shard = shard_of(name, 2)
+        shard = aggregator_of(name, 2)
         if counts[shard] < per_shard:
             names.append(name)
             counts[shard] += 1

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from carlskit.summaries import SummaryReader, SummaryWriter, shard_of
+from carlskit.summaries import SummaryReader, SummaryWriter, aggregator_of
 from process_helpers import connected_cluster
 
 pytestmark = pytest.mark.slow
@@ -40,7 +40,7 @@ def test_aggregators_shard_by_name_and_everything_is_read_back(client, tmp_path)
         writer.flush()
         reader = SummaryReader(tmp_path)
         assert reader.names() == sorted(names)  # readable before the writer closes
-    used_shards = sorted({shard_of(name, 2) for name in names})
+    used_shards = sorted({aggregator_of(name, 2) for name in names})
     origins = sorted(path.name.split("-")[0] for path in tmp_path.glob("*.level0.summaries"))
     assert origins == [f"shard{shard:03d}" for shard in used_shards]
     for name in names:
@@ -52,7 +52,7 @@ def test_aggregators_shard_by_name_and_everything_is_read_back(client, tmp_path)
         shard = int(path.name[len("shard"):len("shard") + 3])
         data = path.read_bytes()
         for name in names:
-            assert (name.encode() in data) == (shard_of(name, 2) == shard)
+            assert (name.encode() in data) == (aggregator_of(name, 2) == shard)
 
 
 def test_writes_from_code_running_on_dask_workers(client, tmp_path):

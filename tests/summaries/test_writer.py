@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from carlskit.summaries import SummaryReader, SummaryWriter, shard_of
+from carlskit.summaries import SummaryReader, SummaryWriter, aggregator_of
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
@@ -217,8 +217,8 @@ def test_bad_input_names_the_argument(tmp_path):
 def test_shard_of_is_crc32_so_every_process_agrees():
     names = ["loss", "train/accuracy", "ünï"]
     # zlib.crc32 is a fixed function of the bytes (unlike hash(), salted per process by PYTHONHASHSEED)
-    assert [shard_of(name, 7) for name in names] == [zlib.crc32(name.encode()) % 7 for name in names]
-    assert [shard_of(name, 7) for name in names] == [1, 6, 6]
+    assert [aggregator_of(name, 7) for name in names] == [zlib.crc32(name.encode()) % 7 for name in names]
+    assert [aggregator_of(name, 7) for name in names] == [1, 6, 6]
 
 
 def test_a_bad_step_is_rejected_before_buffering_and_loses_no_other_summary(tmp_path):
