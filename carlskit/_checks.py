@@ -7,23 +7,29 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 
-def integer(value: Any, name: str, minimum: int = 1, maximum: int | None = None) -> int:
+def integer(value: Any, name: str, minimum: int = 1, maximum: int | None = None, why: str = "") -> int:
     """``value`` as an ``int`` if it is an integer (not a bool) in ``[minimum, maximum]``; else
     TypeError/ValueError naming ``name``. ``maximum`` bounds size arguments (a huge ``bins`` or
-    capacity must be a clear ``ValueError``, never a ``MemoryError`` later)."""
+    capacity must be a clear ``ValueError``, never a ``MemoryError`` later); ``why`` (e.g.
+    ``" (rows are int32)"``) is added to the message of a value out of range."""
     expected = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     if maximum is not None:
         expected = f"an int in [{minimum}, {maximum}]"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be {expected}, got {value!r} ({type(value).__name__})")
-    if value < minimum or (maximum is not None and value > maximum):
-        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    if maximum is None and not INT64_MIN <= value <= INT64_MAX:  # counts, seeds, versions are stored as int64
+        raise ValueError(f"{name} must fit in int64 [-2**63, 2**63 - 1], got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be {'a positive int' if minimum == 1 else f'>= {minimum}'}{why}, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{name} must be <= {maximum}{why}, got {value!r}")
     return int(value)
 
 
@@ -47,12 +53,14 @@ def positive_int(value: Any, name: str) -> int:
     return integer(value, name, 1)
 
 
-def finite_float(value: Any, name: str, *, minimum: float | None = None, positive: bool = False) -> float:
-    """``value`` as a finite ``float`` (``> 0`` if ``positive``, ``>= minimum`` if given)."""
+def finite_float(value: Any, name: str, *, minimum: float | None = None, positive: bool = False,
+                 allow_infinity: bool = False) -> float:
+    """``value`` as a finite ``float`` (``> 0`` if ``positive``, ``>= minimum`` if given; ``+inf``
+    too with ``allow_infinity``, e.g. a time-to-live that never expires)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {value!r}")
     value = float(value)
-    if not math.isfinite(value):
+    if not (math.isfinite(value) or (allow_infinity and value == math.inf)):
         raise ValueError(f"{name} must be finite, got {value!r}")
     if positive and value <= 0.0:
         raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
@@ -64,6 +72,13 @@ def finite_float(value: Any, name: str, *, minimum: float | None = None, positiv
 def positive_float(value: Any, name: str) -> float:
     """``value`` as a finite ``float > 0``; else TypeError/ValueError naming ``name``."""
     return finite_float(value, name, positive=True)
+
+
+def choice(value: Any, name: str, allowed: Sequence[str]) -> str:
+    """``value`` if it is one of ``allowed``; else ValueError naming ``name`` and the choices."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+    return value
 
 
 def _integer_scalar_array(value: Any) -> bool:

@@ -29,7 +29,6 @@ from typing import Any
 
 import fsspec
 import fsspec.implementations.local
-import jax
 import numpy as np
 
 from carlskit._errors import CorruptFileError
@@ -146,6 +145,8 @@ def flatten_pytree(tree: Any) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     Typed PRNG keys (``jax.random.key``) are stored as their raw key data; the returned dict of
     ``{name: impl}`` lets :func:`unflatten_into` wrap them back.
     """
+    import jax  # here, not at import: the data loaders and command lines use this module without JAX
+
     arrays, key_impls = {}, {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
         name = jax.tree_util.keystr(path)
@@ -163,6 +164,8 @@ def unflatten_into(target: Any, arrays: dict[str, np.ndarray], key_impls: dict[s
 
     Raises ``ValueError`` naming the leaves that are missing or whose shape or dtype differ.
     """
+    import jax
+
     leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(target)
     names = [jax.tree_util.keystr(path) for path, _ in leaves_with_paths]
     missing = [name for name in names if name not in arrays]

@@ -32,10 +32,11 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import numpy as np
 
+from carlskit._checks import choice, finite_float, int64, integer, positive_float
 from carlskit._errors import WorkerLostError
 from carlskit.cluster._loss import actor_lost, is_worker_loss
 from carlskit.cluster._placement import Placement
@@ -171,36 +172,6 @@ def _as_matrix(values: Any, rows: int, width: int, name: str, dtype: Any = np.fl
     return array
 
 
-def _as_int(value: Any, name: str, minimum: int | None = None, maximum: int | None = None,
-            why: str = "") -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    if maximum is not None and value > maximum:
-        raise ValueError(f"{name} must be <= {maximum}{why}, got {value}")
-    if not -2**63 <= value < 2**63:
-        raise ValueError(f"{name} must fit in int64, got {value}")
-    return int(value)
-
-
-def _as_float(value: Any, name: str, positive: bool = False, allow_inf: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    value = float(value)
-    if math.isnan(value) or (math.isinf(value) and not allow_inf):
-        raise ValueError(f"{name} must be finite, got {value}")
-    if positive and value <= 0 or value < 0:
-        raise ValueError(f"{name} must be {'> 0' if positive else '>= 0'}, got {value}")
-    return value
-
-
-def _choice(value: Any, name: str, allowed: Sequence[str]) -> str:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
-    return value
-
-
 def _embedding_table_config(dim: int, initializer: str = "normal", seed: int = 0, *,
                             init_scale: float | None = None, optimizer: str = "sgd",
                             learning_rate: float = 0.1, initial_accumulator_value: float = 0.1,
@@ -209,26 +180,26 @@ def _embedding_table_config(dim: int, initializer: str = "normal", seed: int = 0
                             index: str = "flat", index_metric: str = "dot", hnsw_m: int = 32,
                             hnsw_ef_search: int = 64) -> dict[str, Any]:
     """The checked configuration of an embedding table (``create_table`` and snapshot loading)."""
-    dim = _as_int(dim, "dim", minimum=1, maximum=MAX_WIDTH)
+    dim = integer(dim, "dim", minimum=1, maximum=MAX_WIDTH)
     return {
         "kind": "embedding", "dim": dim,
-        "initializer": _choice(initializer, "initializer", INITIALIZERS),
-        "seed": _as_int(seed, "seed"),
+        "initializer": choice(initializer, "initializer", INITIALIZERS),
+        "seed": int64(seed, "seed"),
         "init_scale": (1.0 / math.sqrt(dim) if init_scale is None
-                       else _as_float(init_scale, "init_scale")),
-        "optimizer": _choice(optimizer, "optimizer", OPTIMIZERS),
-        "learning_rate": _as_float(learning_rate, "learning_rate", positive=True),
-        "initial_accumulator_value": _as_float(initial_accumulator_value,
-                                               "initial_accumulator_value"),
-        "epsilon": _as_float(epsilon, "epsilon", positive=True),
-        "max_pending": _as_int(max_pending, "max_pending", minimum=1),
-        "pending_ttl_seconds": _as_float(pending_ttl_seconds, "pending_ttl_seconds",
-                                         allow_inf=True),
-        "outlier_threshold": _as_float(outlier_threshold, "outlier_threshold", positive=True),
-        "index": _choice(index, "index", INDEXES),
-        "index_metric": _choice(index_metric, "index_metric", METRICS),
-        "hnsw_m": _as_int(hnsw_m, "hnsw_m", minimum=2),
-        "hnsw_ef_search": _as_int(hnsw_ef_search, "hnsw_ef_search", minimum=1),
+                       else finite_float(init_scale, "init_scale", minimum=0.0)),
+        "optimizer": choice(optimizer, "optimizer", OPTIMIZERS),
+        "learning_rate": positive_float(learning_rate, "learning_rate"),
+        "initial_accumulator_value": finite_float(initial_accumulator_value,
+                                                   "initial_accumulator_value", minimum=0.0),
+        "epsilon": positive_float(epsilon, "epsilon"),
+        "max_pending": integer(max_pending, "max_pending", minimum=1),
+        "pending_ttl_seconds": finite_float(pending_ttl_seconds, "pending_ttl_seconds",
+                                            minimum=0.0, allow_infinity=True),
+        "outlier_threshold": positive_float(outlier_threshold, "outlier_threshold"),
+        "index": choice(index, "index", INDEXES),
+        "index_metric": choice(index_metric, "index_metric", METRICS),
+        "hnsw_m": integer(hnsw_m, "hnsw_m", minimum=2),
+        "hnsw_ef_search": integer(hnsw_ef_search, "hnsw_ef_search", minimum=1),
     }
 
 
@@ -250,7 +221,7 @@ def _feature_table_config(schema: Any) -> dict[str, Any]:
             raise ValueError(f"schema[{field!r}] has an unknown dtype {spec[0]!r}") from error
         if dtype.kind not in "iufb":
             raise ValueError(f"schema[{field!r}] dtype must be numeric or bool, got {dtype}")
-        clean[field] = [dtype.name, _as_int(spec[1], f"schema[{field!r}] width", minimum=1,
+        clean[field] = [dtype.name, integer(spec[1], f"schema[{field!r}] width", minimum=1,
                                                    maximum=MAX_WIDTH)]
     return {"kind": "feature", "schema": clean}
 
@@ -379,7 +350,7 @@ class KnowledgeBank:
     def __init__(self, client: Any = None, num_shards: int = 1, *,
                  clock: Callable[[], float] | None = None, direct: bool = True,
                  workers: list[str] | str | None = None, resources: dict[str, float] | None = None) -> None:
-        num_shards = _as_int(num_shards, "num_shards", minimum=1)
+        num_shards = integer(num_shards, "num_shards", minimum=1)
         if not isinstance(direct, bool):
             raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
         if clock is not None and not callable(clock):
@@ -634,7 +605,7 @@ class KnowledgeBank:
         self._create(name, _feature_table_config(schema), self._capacity(capacity))
 
     def _capacity(self, capacity: Any) -> int:
-        return _as_int(capacity, "capacity", minimum=1,
+        return integer(capacity, "capacity", minimum=1,
                        maximum=MAX_ROWS_PER_SHARD * self.num_shards,
                        why=f" ({MAX_ROWS_PER_SHARD} rows per shard: rows are int32)")
 
@@ -684,7 +655,7 @@ class KnowledgeBank:
         discarded. NaN/Inf values are rejected (ValueError) and nothing is written."""
         config = self._config(table)
         keys = _as_keys(keys)
-        version = _as_int(version, "version", minimum=0)  # -1 marks "never updated"
+        version = integer(version, "version", minimum=0)  # -1 marks "never updated"
         if config["kind"] == "embedding":
             values = _as_matrix(values, len(keys), config["dim"], "values")
             pick = lambda v, pos: v[pos]  # noqa: E731
@@ -751,9 +722,9 @@ class KnowledgeBank:
         if queries.ndim != 2:
             raise ValueError(f"queries must have shape [nq, {config['dim']}], got {queries.shape}")
         queries = _as_matrix(queries, queries.shape[0], config["dim"], "queries")
-        k = _as_int(k, "k", minimum=1, maximum=max(1, MAX_NEAREST_RESULTS // max(1, len(queries))),
+        k = integer(k, "k", minimum=1, maximum=max(1, MAX_NEAREST_RESULTS // max(1, len(queries))),
                     why=f" (at most {MAX_NEAREST_RESULTS} results: nq * k, nq = {len(queries)})")
-        metric = _choice(metric, "metric", METRICS)
+        metric = choice(metric, "metric", METRICS)
         if exact not in (None, True, False):
             raise TypeError("exact must be None, True or False")
         if exclude is not None:
@@ -778,8 +749,8 @@ class KnowledgeBank:
         """``n`` keys drawn uniformly with replacement from all rows (e.g. contrastive negatives);
         deterministic in ``seed`` for a given bank content and sharding."""
         self._config(table)
-        n = _as_int(n, "n", minimum=0, maximum=MAX_SAMPLE)
-        seed = _as_int(seed, "seed", minimum=0)
+        n = integer(n, "n", minimum=0, maximum=MAX_SAMPLE)
+        seed = integer(seed, "seed", minimum=0)
         results = self._call_all("sample", table, n, seed)
         counts = np.array([count for _, count in results], dtype=np.float64)
         if counts.sum() == 0:
@@ -922,7 +893,7 @@ class KnowledgeBank:
         location = Location(path)
         manifest = read_manifest(location)
         if num_shards is not None:
-            num_shards = _as_int(num_shards, "num_shards", minimum=1)
+            num_shards = integer(num_shards, "num_shards", minimum=1)
         bank = cls(client, manifest["num_shards"] if num_shards is None else num_shards,
                    clock=clock, workers=workers, resources=resources)
         try:
@@ -955,12 +926,12 @@ class KnowledgeBank:
             acknowledged writes too. Costs a disk append per write (see BENCHMARKS.md).
         """
         self._require_open()
-        keep = _as_int(keep, "keep", minimum=1)
+        keep = integer(keep, "keep", minimum=1)
         if every_seconds is not None:
-            every_seconds = _as_float(every_seconds, "every_seconds", positive=True)
+            every_seconds = positive_float(every_seconds, "every_seconds")
         if every_versions is not None:
-            every_versions = _as_int(every_versions, "every_versions", minimum=1)
-        poll_seconds = _as_float(poll_seconds, "poll_seconds", positive=True)
+            every_versions = integer(every_versions, "every_versions", minimum=1)
+        poll_seconds = positive_float(poll_seconds, "poll_seconds")
         if not isinstance(write_ahead_log, bool):
             raise TypeError(f"write_ahead_log must be a bool, got {type(write_ahead_log).__name__}")
         series = SnapshotSeries(directory, keep)

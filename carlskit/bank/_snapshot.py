@@ -46,6 +46,7 @@ import fsspec.implementations.local
 import fsspec.implementations.memory
 import numpy as np
 
+from carlskit._checks import integer
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json
 
@@ -316,7 +317,7 @@ def read_manifest(location: Location) -> dict:
     """The checked manifest of the snapshot at ``location``. FileNotFoundError when there is no
     snapshot; CorruptFileError naming the file for an interrupted save, a damaged or inconsistent
     manifest, a missing part or one of the wrong size."""
-    from ._bank import _as_int, _checked_table_config  # the one checker of table configs
+    from ._bank import _checked_table_config  # the one checker of table configs
 
     names = location.names()
     where = location.file(MANIFEST)
@@ -335,7 +336,7 @@ def read_manifest(location: Location) -> dict:
         raise CorruptFileError(where, f"format version {content.get('version')!r}; this carlskit "
                                       f"reads version {SNAPSHOT_VERSION}")
     try:
-        num_shards = _as_int(content.get("num_shards"), "num_shards", minimum=1)
+        num_shards = integer(content.get("num_shards"), "num_shards", minimum=1)
     except (TypeError, ValueError) as error:
         raise CorruptFileError(where, f"manifest {error}") from error
     tables = content.get("tables")
