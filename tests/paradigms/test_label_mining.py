@@ -62,17 +62,23 @@ def test_stage_requires_a_label_table():
         MinedLabels(bank, "emb")
 
 
-def test_small_end_to_end_run_mines_labels_from_checkpoints():
-    config = replace(label_mining.LabelMiningConfig(), steps=120, warmup_steps=20, checkpoint_every=10,
-                     threshold_start=0.2, threshold_end=0.4)  # low: a short run is not yet confident
+def test_small_end_to_end_run_mines_labels_from_checkpoints_and_beats_training_on_the_noisy_labels():
+    # The notebook's small configuration (03, CARLSKIT_SMALL=1). Measured over 5 runs of the same
+    # seeds (the maker's timing varies): mined-label accuracy 0.92-0.96 against the given labels'
+    # 0.60, test accuracy 0.917-0.955 against 0.883 for the same MLP, seed and steps on the noisy
+    # labels alone: gains 0.033-0.072. The margin 0.015 is under half the smallest; a miner that
+    # writes the given labels back (a no-op) gains nothing and fails the label-accuracy assert too.
+    config = replace(label_mining.LabelMiningConfig(), steps=250, warmup_steps=30, checkpoint_every=10,
+                     threshold_start=0.3, threshold_end=0.6)  # a short run is less confident
     data, noisy, corrupted = label_mining.noisy_digits(config, seed=0)
     result = label_mining.train(data, noisy, config, mining=True, seed=0)
-    assert result["steps"] == 120 and result["maker_status"]["errors"] == []
+    assert result["steps"] == 250 and result["maker_status"]["errors"] == []
     assert result["last_mined_version"] >= 30  # the maker followed the trainer past warm-up
     history = result["history"]
-    assert all(r["mined_fraction"] == 0 for r in history[:20]), "nothing mined during warm-up"
-    assert max(r["mined_fraction"] for r in history[20:]) > 0.1
-    assert any(r["relabelled_fraction"] > 0.02 for r in history[20:]), "mined labels corrected noisy ones"
+    assert all(r["mined_fraction"] == 0 for r in history[:30]), "nothing mined during warm-up"
+    assert max(r["mined_fraction"] for r in history[30:]) > 0.1
+    assert any(r["relabelled_fraction"] > 0.02 for r in history[30:]), "mined labels corrected noisy ones"
     assert np.isfinite(history[-1]["mined_version"])
     assert result["mined_label_acc"] > 1 - config.noise + 0.2  # the mined labels beat the given ones
-    assert 0.7 < result["test_acc"] <= 1.0
+    baseline = label_mining.train(data, noisy, config, mining=False, seed=0)
+    assert result["test_acc"] >= baseline["test_acc"] + 0.015, (result["test_acc"], baseline["test_acc"])
