@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import datetime
 import dataclasses
 import logging
 import os
@@ -49,8 +50,9 @@ def _default_client() -> Client | None:
 
 
 def _timeout_seconds(timeout: float | str) -> float:
-    if isinstance(timeout, bool):
-        raise ValueError(f"timeout must be a positive duration, got {timeout!r}")
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float, str, datetime.timedelta)):
+        raise TypeError(f"timeout must be seconds (a number), a duration string like '30s' or a timedelta, "
+                        f"got {type(timeout).__name__}")
     try:
         seconds = dask.utils.parse_timedelta(timeout, default="seconds")
     except (KeyError, ValueError, TypeError) as error:

@@ -205,7 +205,9 @@ def test_bad_arguments_are_named():
         carlskit.connect(scheduler_file="/nonexistent/scheduler.json")
     with pytest.raises(ValueError, match="n_workers"):
         carlskit.connect(n_workers=-1)
-    with pytest.raises(ValueError, match="timeout"):
+    with pytest.raises(ValueError, match="timeout"):  # a string, but not a duration
         carlskit.connect("tcp://127.0.0.1:9", timeout="soon")
+    with pytest.raises(TypeError, match="timeout"):
+        carlskit.connect("tcp://127.0.0.1:9", timeout=True)
     with pytest.raises(ValueError, match="threads_per_worker"):
         carlskit.connect(threads_per_worker=0)
