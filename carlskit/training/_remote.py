@@ -33,6 +33,8 @@ from carlskit.cluster._placement import NoWorkerError, Placement, _is_accelerato
 from carlskit.cluster._supervised import Backoff, restart_policy
 
 REPORT_SECONDS = 0.5
+#: what ``Trainer.last_placement`` records of the worker (besides its address and ``resumed_from``)
+PLACEMENT_FIELDS = ("group", "host", "backend", "device_count", "device_kinds", "resources")
 
 
 @dataclasses.dataclass
@@ -87,6 +89,9 @@ def _fit_on_this_worker(shipped: _Shipped, data: Any, target_step: int) -> dict:
     resumed_from = trainer.step
     client = get_client()
     queue, stop = Queue(shipped.queue, client=client), Event(f"{shipped.queue}-stop", client=client)
+    devices = worker_devices(worker)
+    placement = {"worker": worker.address, **{k: devices[k] for k in PLACEMENT_FIELDS}, "resumed_from": resumed_from}
+    queue.put({"placement": placement})  # first: the notebook's status shows where the fit runs
     handle = trainer.fit(data, target_step - trainer.step, block=False, progress=False, live=False) \
         if target_step > trainer.step else None
     sent = 0
@@ -104,10 +109,8 @@ def _fit_on_this_worker(shipped: _Shipped, data: Any, target_step: int) -> dict:
     if handle is not None:
         handle.wait()  # re-raises the fit's error
     return {"state": jax.device_get(trainer.checkpoint_tree()), "step": trainer.step,
-            "history": trainer.history, "resumed_from": resumed_from,
-            "bank_recoveries": trainer.bank_recoveries,
-            "missing_neighbors": getattr(trainer.knowledge, "missing_total", None),
-            "worker": worker.address, **worker_devices(worker)}
+            "history": trainer.history, "placement": placement, "bank_recoveries": trainer.bank_recoveries,
+            "missing_neighbors": getattr(trainer.knowledge, "missing_total", None)}
 
 
 def fit_on_worker(trainer: Any, client: Any, data: Any, steps: int, placement: Placement,
@@ -159,9 +162,7 @@ def fit_on_worker(trainer: Any, client: Any, data: Any, steps: int, placement: P
     trainer.bank_recoveries.extend(result["bank_recoveries"])
     if missing_before is not None and result["missing_neighbors"] is not None:
         trainer.knowledge.missing_total = missing_before + result["missing_neighbors"]
-    trainer.last_placement = {**{k: result[k] for k in ("worker", "group", "host", "backend", "device_count",
-                                                         "device_kinds", "resources")},
-                              "resumed_from": result["resumed_from"]}
+    trainer.last_placement = result["placement"]
     if plot is not None:
         plot.update(trainer._series(), force=True)
 
@@ -177,6 +178,9 @@ def _follow(trainer, client, future, candidates, queue, received, stop, remote_s
     while True:
         finished = future.done()
         for batch in queue.get(batch=True):
+            if isinstance(batch, dict):  # where this try runs, sent before its first record
+                trainer.last_placement = batch["placement"]
+                continue
             for record in batch:
                 if record["step"] not in received:
                     trainer.history.append(record)

@@ -135,7 +135,8 @@ class Trainer:
         #: lost bank shards rebuilt during fits: {"shards", "seconds", "report"} per recovery
         self.bank_recoveries: list[dict] = []
         self.history: list[dict] = []
-        #: where the last ``fit(client=...)`` ran: worker, group, host, backend, devices, resources
+        #: where the last ``fit(client=...)`` ran (or runs): worker, group, host, backend, devices,
+        #: resources, and the checkpoint step it resumed from
         self.last_placement: dict | None = None
         self.remote_restarts = 0  # fits on a worker resubmitted after the worker was lost
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
@@ -411,6 +412,16 @@ class Trainer:
         if self.history and "staleness" in self.history[-1]:
             series["staleness"] = (steps, np.array([r.get("staleness", np.nan) for r in self.history]))
         return series
+
+    def status(self) -> dict:
+        """Step, whether a fit runs, where (this process, or the worker of a ``fit(client=...)``:
+        address, group, devices; set as soon as that worker starts), and recoveries. A
+        :class:`carlskit.widgets.ClusterStatus` source."""
+        where = self.last_placement or {}
+        return {"step": self.step, "fitting": self._fitting,
+                "runs on": where.get("worker", "this process"), "group": where.get("group"),
+                "devices": where.get("device_kinds"), "remote restarts": self.remote_restarts,
+                "bank recoveries": len(self.bank_recoveries)}
 
     def evaluate(self, fn: Callable[[nnx.Module], Any]) -> Any:
         """Apply ``fn`` to the current model (synced from the training state)."""

@@ -17,6 +17,7 @@ import carlskit
 from carlskit.bank import KnowledgeBank
 from carlskit.cluster import RestartPolicy
 from carlskit.training import CheckpointStore, Trainer
+from carlskit.widgets import ClusterStatus
 from process_helpers import kill_worker, wait_for_no_children, wait_until
 
 TRUE_W = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
@@ -91,12 +92,17 @@ def test_fit_runs_on_the_accelerator_group_and_brings_back_what_a_local_fit_woul
                      checkpoints=CheckpointStore(tmp_path / "remote"), checkpoint_every=10, summaries=Scalars())
     local = Trainer(Linear(), optax.adam(0.05), mse, knowledge=BankOffset(bank),
                     checkpoints=CheckpointStore(tmp_path / "local"), checkpoint_every=10)
+    assert remote.status()["runs on"] == "this process"
     history = remote.fit(batch_at, 30, client=client, progress=False)
     local.fit(batch_at, 30, progress=False)
 
     placed = remote.last_placement
     assert (placed["worker"], placed["group"], placed["device_count"]) == (trainer_worker["process"], "trainer", 2)
     assert placed["resources"] == {"accelerator": 1} and placed["resumed_from"] == 0
+    status = remote.status()  # what ClusterStatus(sources=[trainer]) shows
+    assert (status["runs on"], status["group"], status["step"]) == (trainer_worker["process"], "trainer", 30)
+    board = ClusterStatus(client, sources=[remote], show_devices=False)._repr_html_()
+    assert "<h4>Trainer</h4>" in board and "runs on" in board
     assert remote.step == 30 and [r["step"] for r in history] == list(range(1, 31))
     assert [name for name, step in logged if step == 30] == ["train/loss", "train/step_seconds"], \
         "the local summaries got every record"
