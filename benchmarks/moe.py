@@ -35,7 +35,11 @@ import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from carlskit.moe import (  # noqa: E402
-    FeedForward, MoEFeedForward, MoEModel, text_lm_comparison, toy_multilingual_corpus,
+    FeedForward,
+    MoEFeedForward,
+    MoEModel,
+    text_lm_comparison,
+    toy_multilingual_corpus,
 )
 
 

@@ -10,7 +10,6 @@ import numbers
 from collections.abc import Sequence
 from typing import Any
 
-
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 

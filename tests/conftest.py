@@ -6,7 +6,6 @@ import os
 
 import psutil
 import pytest
-
 from process_helpers import wait_for_no_children
 
 

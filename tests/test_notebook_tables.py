@@ -9,7 +9,6 @@ import numpy as np
 import pandas as pd
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
-
 from notebook_tables import check_table, install
 
 

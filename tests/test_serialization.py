@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 
 from carlskit._errors import CorruptFileError
-from carlskit._serialization import (arrays_to_npz_bytes, dumps_checked_json, loads_checked_json,
-                                     npz_bytes_to_arrays, sha256_hex)
+from carlskit._serialization import (
+    arrays_to_npz_bytes,
+    dumps_checked_json,
+    loads_checked_json,
+    npz_bytes_to_arrays,
+    sha256_hex,
+)
 
 CONTENT = {"learning_rate": 0.1, "seed": 7, "name": "emb", "counts": [1, 2, 3], "ratio": 0.30000000000000004}
 

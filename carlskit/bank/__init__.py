@@ -17,9 +17,9 @@ Gradients from every sender (processes, Dask tasks) are cached and counted; ``up
 discards its cached gradients. See :func:`combine_gradients` for the pure, vectorized rule.
 """
 
-from ._bank import BankFuture, KnowledgeBank, ShardLostError
-from ._hashing import key_from_string
-from ._lazy import CombinedGradients, adagrad_step, combine_gradients, sgd_step
+from carlskit.bank._bank import BankFuture, KnowledgeBank, ShardLostError
+from carlskit.bank._hashing import key_from_string
+from carlskit.bank._lazy import CombinedGradients, adagrad_step, combine_gradients, sgd_step
 
 __all__ = ["KnowledgeBank", "BankFuture", "ShardLostError", "key_from_string", "combine_gradients",
            "CombinedGradients", "sgd_step", "adagrad_step"]

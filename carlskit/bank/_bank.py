@@ -38,17 +38,24 @@ import numpy as np
 
 from carlskit._checks import choice, finite_float, int64, integer, positive_float
 from carlskit._errors import WorkerLostError
+from carlskit.bank._direct import DirectCall, DirectPath, DirectPathLost, DirectRequestLost
+from carlskit.bank._hashing import key_from_string, shard_of
+from carlskit.bank._nearest import METRICS, top_k
+from carlskit.bank._shard import _Shard
+from carlskit.bank._snapshot import (
+    SNAPSHOT_FORMAT,
+    SNAPSHOT_VERSION,
+    Location,
+    SnapshotSeries,
+    check_save_target,
+    new_save_id,
+    read_manifest,
+    run_parallel,
+    write_manifest,
+)
+from carlskit.bank._wal import truncate_before
 from carlskit.cluster._loss import actor_lost, is_worker_loss
 from carlskit.cluster._placement import Placement
-
-from ._direct import DirectCall, DirectPath, DirectPathLost, DirectRequestLost
-from ._hashing import key_from_string, shard_of
-from ._nearest import METRICS, top_k
-from ._shard import _Shard
-from ._snapshot import (SNAPSHOT_FORMAT, SNAPSHOT_VERSION, Location, SnapshotSeries,
-                        check_save_target, new_save_id, read_manifest, run_parallel,
-                        write_manifest)
-from ._wal import truncate_before
 
 INITIALIZERS = ("zeros", "normal", "uniform")
 OPTIMIZERS = ("sgd", "adagrad")

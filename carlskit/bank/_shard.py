@@ -14,10 +14,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ._snapshot import Location, PartReader, part_file_name, write_part
-from ._tables import EmbeddingTable, FeatureTable, RowStore
-from ._wal import WriteAheadLog, records_since
-
+from carlskit.bank._snapshot import Location, PartReader, part_file_name, write_part
+from carlskit.bank._tables import EmbeddingTable, FeatureTable, RowStore
+from carlskit.bank._wal import WriteAheadLog, records_since
 
 #: glibc ``mallopt`` parameters and the values a shard's worker process gets (see below).
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -95,7 +94,7 @@ class _Shard:
         to Dask's RPC)."""
         import zmq
 
-        from ._direct import DirectServer, worker_host
+        from carlskit.bank._direct import DirectServer, worker_host
 
         with self._lock:
             if self._direct_server is None:

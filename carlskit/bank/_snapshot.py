@@ -263,7 +263,7 @@ def expected_layout(config: dict[str, Any], rows: int, pending: int,
     else:
         for field, (dtype, width) in sorted(config["schema"].items()):  # as the manifest sorts them
             columns.append(("field:" + field, np.dtype(dtype), (rows, width)))
-    from ._hashmap import BUCKET
+    from carlskit.bank._hashmap import BUCKET
 
     columns += [("row_map_keys", np.dtype(np.int64), (row_map_buckets, BUCKET)),
                 ("row_map_rows", np.dtype(np.int32), (row_map_buckets, BUCKET)),
@@ -317,7 +317,7 @@ def read_manifest(location: Location) -> dict:
     """The checked manifest of the snapshot at ``location``. FileNotFoundError when there is no
     snapshot; CorruptFileError naming the file for an interrupted save, a damaged or inconsistent
     manifest, a missing part or one of the wrong size."""
-    from ._bank import _checked_table_config  # the one checker of table configs
+    from carlskit.bank._bank import _checked_table_config  # the one checker of table configs
 
     names = location.names()
     where = location.file(MANIFEST)

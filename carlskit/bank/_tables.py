@@ -12,12 +12,11 @@ from typing import Any
 import numpy as np
 
 from carlskit._errors import CorruptFileError
-
-from ._hashing import initial_values, shard_of
-from ._hashmap import Int64RowMap
-from ._lazy import adagrad_step, combine_gradients, sgd_step
-from ._nearest import HNSWIndex, exact_search, top_k, worst_score
-from ._snapshot import REROUTE_CHUNK_ROWS, expected_layout
+from carlskit.bank._hashing import initial_values, shard_of
+from carlskit.bank._hashmap import Int64RowMap
+from carlskit.bank._lazy import adagrad_step, combine_gradients, sgd_step
+from carlskit.bank._nearest import HNSWIndex, exact_search, top_k, worst_score
+from carlskit.bank._snapshot import REROUTE_CHUNK_ROWS, expected_layout
 
 _GROWTH = 1.5
 

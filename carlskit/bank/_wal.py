@@ -33,8 +33,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from carlskit._errors import CorruptFileError
-
-from ._direct import decode, encode
+from carlskit.bank._direct import decode, encode
 
 _MAGIC = b"CKW1"
 _PREFIX = struct.Struct("<4sQI")  # magic, body length, crc32(body)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-import datetime
 import dataclasses
+import datetime
 import logging
 import os
 import socket

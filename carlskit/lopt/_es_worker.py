@@ -28,8 +28,8 @@ import numpy as np
 from carlskit.cluster._supervised import log_worker_event, secede_if_on_worker
 from carlskit.lopt._checks import check_meta_params, positive_float, positive_int
 from carlskit.lopt._estimators import make_full_es_estimator
-from carlskit.lopt._inner import check_aggregation
 from carlskit.lopt._gradient_store import call
+from carlskit.lopt._inner import check_aggregation
 from carlskit.lopt._learner import meta_params_structure
 
 logger = logging.getLogger("carlskit.lopt.workers")

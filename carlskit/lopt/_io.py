@@ -32,8 +32,15 @@ import jax
 import numpy as np
 
 from carlskit._errors import CorruptFileError
-from carlskit._serialization import (arrays_to_npz_bytes, atomic_write, dumps_checked_json, filesystem,
-                                     loads_checked_json, npz_bytes_to_arrays, sha256_hex)
+from carlskit._serialization import (
+    arrays_to_npz_bytes,
+    atomic_write,
+    dumps_checked_json,
+    filesystem,
+    loads_checked_json,
+    npz_bytes_to_arrays,
+    sha256_hex,
+)
 
 FORMAT_VERSION = 3
 LEGACY_FORMAT_VERSION = 2  # plain JSON description, no checksums: still read

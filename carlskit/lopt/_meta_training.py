@@ -55,9 +55,9 @@ from carlskit.cluster._loss import actor_lost, is_worker_loss
 from carlskit.cluster._placement import NoWorkerError, Placement
 from carlskit.cluster._supervised import MAX_KEPT_ERRORS, Backoff, LongRunningTasks, RestartPolicy, stop_flag
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
+from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
-from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._gradient_store import GradientStore, call
 from carlskit.lopt._learner import Learner, load_newest_intact
 from carlskit.lopt._optimizer import LearnedOptimizer

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from carlskit._errors import CorruptFileError
 from carlskit.lopt._checks import (
     check_meta_params,
     check_real_floating,
@@ -27,7 +28,6 @@ from carlskit.lopt._checks import (
 )
 from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
-from carlskit._errors import CorruptFileError
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
 from carlskit.lopt._tasks import Task, TaskFamily

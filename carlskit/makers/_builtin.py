@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from carlskit.makers._maker import MakerContext
 from carlskit._checks import positive_int
+from carlskit.makers._maker import MakerContext
 from carlskit.training._knowledge import table_config
 
 

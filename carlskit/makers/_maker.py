@@ -37,14 +37,14 @@ import numpy as np
 from carlskit._checks import positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._placement import Placement
-from carlskit.cluster._supervised import log_worker_event
-from carlskit.cluster._supervised import restart_policy as as_restart_policy
 from carlskit.cluster._supervised import (
     LongRunningTasks,
     RestartPolicy,
+    log_worker_event,
     secede_if_on_worker,
     stop_flag,
 )
+from carlskit.cluster._supervised import restart_policy as as_restart_policy
 from carlskit.training._checkpoint import CheckpointStore, restore_model
 
 logger = logging.getLogger("carlskit.makers")

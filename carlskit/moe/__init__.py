@@ -4,9 +4,15 @@ Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation
 Sharding".
 """
 
-from ._data import BYTE_VOCAB_SIZE, PAD_ID, stdlib_text_corpus, stdlib_text_documents, toy_multilingual_corpus
-from ._dispatch import combine, combine_einsum, combine_scatter, dispatch, dispatch_einsum, dispatch_gather
-from ._gating import (
+from carlskit.moe._data import (
+    BYTE_VOCAB_SIZE,
+    PAD_ID,
+    stdlib_text_corpus,
+    stdlib_text_documents,
+    toy_multilingual_corpus,
+)
+from carlskit.moe._dispatch import combine, combine_einsum, combine_scatter, dispatch, dispatch_einsum, dispatch_gather
+from carlskit.moe._gating import (
     Routing,
     expert_capacity,
     expert_choice_gating,
@@ -16,10 +22,10 @@ from ._gating import (
     top1_gating,
     top2_gating,
 )
-from ._layers import CausalSelfAttention, FeedForward, MoEFeedForward, TransformerBlock
-from ._model import MoEModel
-from ._sharding import auto_axes, make_mesh, replicate, shard, split
-from ._text_lm import TEXT_LM_SIZES, text_lm_comparison
+from carlskit.moe._layers import CausalSelfAttention, FeedForward, MoEFeedForward, TransformerBlock
+from carlskit.moe._model import MoEModel
+from carlskit.moe._sharding import auto_axes, make_mesh, replicate, shard, split
+from carlskit.moe._text_lm import TEXT_LM_SIZES, text_lm_comparison
 
 __all__ = [
     "BYTE_VOCAB_SIZE",

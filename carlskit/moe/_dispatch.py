@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from ._gating import Routing
+from carlskit.moe._gating import Routing
 
 DISPATCH_MODES = ("scatter", "einsum")
 

@@ -8,19 +8,22 @@ import math
 from typing import Any
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
 from carlskit._checks import finite_float, positive_float, positive_int
-
-from ._dispatch import DISPATCH_MODES, combine, dispatch
-from ._gating import (
-    ROUTERS, SECOND_EXPERT_POLICIES, Routing, expert_capacity,
-    experts_per_token, route,
+from carlskit.moe._dispatch import DISPATCH_MODES, combine, dispatch
+from carlskit.moe._gating import (
+    ROUTERS,
+    SECOND_EXPERT_POLICIES,
+    Routing,
+    expert_capacity,
+    experts_per_token,
+    route,
 )
-from ._sharding import DATA_AXIS, EXPERT_AXIS, split
+from carlskit.moe._sharding import DATA_AXIS, EXPERT_AXIS, split
 
 # Activations (groups / batch) are split over every device of the mesh; experts over "expert".
 BATCH_AXES = (DATA_AXIS, EXPERT_AXIS)

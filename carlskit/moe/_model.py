@@ -15,11 +15,10 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from carlskit._checks import finite_float, integer, positive_float, positive_int
-
-from ._dispatch import DISPATCH_MODES
-from ._gating import SECOND_EXPERT_POLICIES, experts_per_token
-from ._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _dtype, _scaled_normal
-from ._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
+from carlskit.moe._dispatch import DISPATCH_MODES
+from carlskit.moe._gating import SECOND_EXPERT_POLICIES, experts_per_token
+from carlskit.moe._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _dtype, _scaled_normal
+from carlskit.moe._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
 
 EXPERT_PARAMS = ("expert_wi", "expert_wo")
 

@@ -12,9 +12,8 @@ import numpy as np
 from flax import nnx
 
 from carlskit._checks import positive_int
-
-from ._data import BYTE_VOCAB_SIZE, PAD_ID, stdlib_text_corpus
-from ._model import MoEModel
+from carlskit.moe._data import BYTE_VOCAB_SIZE, PAD_ID, stdlib_text_corpus
+from carlskit.moe._model import MoEModel
 
 # "small" keeps a headless notebook run (CARLSKIT_SMALL=1) to about a minute on a shared CPU; it
 # is too short for the MoE models to pull ahead reliably. "full" is the benchmark's size: the MoE

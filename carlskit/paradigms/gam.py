@@ -327,7 +327,8 @@ def _round_record(round_index, classifier, agreement, data, features, labelled, 
 def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
             progress: bool | str = False) -> dict:
     """The plain MLP (same steps) against GAM co-training; the command's JSON fields."""
-    from carlskit.paradigms.graph_reg import GraphRegConfig, train as train_mlp
+    from carlskit.paradigms.graph_reg import GraphRegConfig
+    from carlskit.paradigms.graph_reg import train as train_mlp
 
     steps = config.rounds * config.classifier_steps
     mlp_config = GraphRegConfig(hidden=config.hidden, dropout=config.dropout, learning_rate=config.learning_rate,

@@ -44,8 +44,8 @@ import optax
 from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, load_digits
 from carlskit.makers import LabelMaker, Maker
-from carlskit.paradigms.graph_reg import MLP, accuracy
 from carlskit.paradigms._cli import makers_running, parse_arguments, run_and_print
+from carlskit.paradigms.graph_reg import MLP, accuracy
 from carlskit.training import CheckpointStore, MinedLabels, Trainer, masked_cross_entropy, select_mined_labels
 
 

@@ -7,9 +7,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from carlskit.bank import ShardLostError
-
 from carlskit._checks import positive_int
+from carlskit.bank import ShardLostError
 from carlskit.training._pipeline import Batch
 
 

@@ -20,15 +20,15 @@ import numpy as np
 import optax
 from flax import nnx
 
+from carlskit._checks import positive_int
+from carlskit._notebook import in_notebook
 from carlskit.bank import ShardLostError
 from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.training._checkpoint import CheckpointStore
 from carlskit.training._knowledge import with_bank_recovery
-from carlskit.training._remote import fit_on_worker
-from carlskit._checks import positive_int
-from carlskit._notebook import in_notebook
 from carlskit.training._pipeline import Batch, Prefetcher
+from carlskit.training._remote import fit_on_worker
 
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 

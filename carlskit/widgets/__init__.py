@@ -4,10 +4,10 @@ Each object shows an ipywidgets view in a notebook and falls back to HTML (``_re
 text (``__repr__``) where no widget front end exists.
 """
 
+from carlskit._notebook import in_notebook
 from carlskit.widgets._cluster_status import ClusterStatus
 from carlskit.widgets._display import smooth
 from carlskit.widgets._eval_curves import EvalCurves, curves_frame
-from carlskit._notebook import in_notebook
 from carlskit.widgets._history import LivePlot
 from carlskit.widgets._live import LiveSummaries
 

@@ -14,7 +14,14 @@ import numpy as np
 
 from carlskit.summaries import SummaryReader
 from carlskit.widgets._display import (
-    PeriodicThread, WidgetDisplay, check_smoothing, html_table, placeholder_png, png_img_tag, render_png, smooth,
+    PeriodicThread,
+    WidgetDisplay,
+    check_smoothing,
+    html_table,
+    placeholder_png,
+    png_img_tag,
+    render_png,
+    smooth,
     text_table,
 )
 

@@ -6,8 +6,6 @@ import pytest
 from process_helpers import checkout_cluster
 
 
-
-
 @pytest.fixture(scope="module")
 def client():
     """A 2-worker LocalCluster per test module (worker processes import this checkout)."""

@@ -12,13 +12,25 @@ import pytest
 distributed = pytest.importorskip("distributed")
 zmq = pytest.importorskip("zmq")
 
-from carlskit.bank import KnowledgeBank, ShardLostError  # noqa: E402
-from carlskit.bank._bank import _bank_from_actors  # noqa: E402
-from carlskit.bank import _direct  # noqa: E402
-from carlskit.bank._direct import (DirectCall, DirectChannel, DirectPath, DirectRequestLost,  # noqa: E402
-                                   ShardError, _rebuilt_error, decode, encode)
-from carlskit.bank._shard import _Shard  # noqa: E402
 from process_helpers import wait_until  # noqa: E402
+
+from carlskit.bank import (  # noqa: E402
+    KnowledgeBank,
+    ShardLostError,
+    _direct,  # noqa: E402
+)
+from carlskit.bank._bank import _bank_from_actors  # noqa: E402
+from carlskit.bank._direct import (  # noqa: E402
+    DirectCall,
+    DirectChannel,
+    DirectPath,
+    DirectRequestLost,
+    ShardError,
+    _rebuilt_error,
+    decode,
+    encode,
+)
+from carlskit.bank._shard import _Shard  # noqa: E402
 
 DIM = 8
 

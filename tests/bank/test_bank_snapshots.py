@@ -7,13 +7,13 @@ import time
 
 import numpy as np
 import pytest
+from process_helpers import wait_until
 
 from carlskit._errors import CorruptFileError
 from carlskit.bank import KnowledgeBank
 from carlskit.bank._shard import _Shard
 from carlskit.bank._snapshot import Location, read_manifest
 from carlskit.bank._wal import records_since, segment_numbers, shard_directory
-from process_helpers import wait_until
 
 DIM = 4
 

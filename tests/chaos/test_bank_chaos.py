@@ -18,11 +18,11 @@ import time
 
 import numpy as np
 import pytest
+from process_helpers import checkout_cluster
 
 from carlskit._errors import CorruptFileError, WorkerLostError
 from carlskit.bank import KnowledgeBank, ShardLostError
 from carlskit.bank._hashing import shard_of
-from process_helpers import checkout_cluster
 
 DIM = 8
 

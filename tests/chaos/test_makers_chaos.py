@@ -13,12 +13,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from process_helpers import wait_until
 
 import carlskit
 from carlskit.bank import KnowledgeBank
 from carlskit.makers import EmbeddingMaker, Maker
 from carlskit.training import CheckpointStore, Trainer
-from process_helpers import wait_until
 
 FEATURES = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
 

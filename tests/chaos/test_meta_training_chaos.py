@@ -8,13 +8,13 @@ import time
 
 import numpy as np
 import pytest
+from process_helpers import wait_for_no_children, wait_until
 
 import carlskit
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._supervised import RestartPolicy
 from carlskit.lopt import EvalTaskSet, EvaluationChief, LearnableAdam, MetaTraining, QuadraticFamily, QuadraticTask
 from carlskit.summaries import SummaryReader
-from process_helpers import wait_for_no_children, wait_until
 
 pytestmark = pytest.mark.slow
 

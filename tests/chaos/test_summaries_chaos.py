@@ -15,11 +15,11 @@ import time
 import numpy as np
 import psutil
 import pytest
+from process_helpers import connected_cluster
 
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._supervised import RestartPolicy
 from carlskit.summaries import SummaryReader, SummaryWriter, aggregator_of
-from process_helpers import connected_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -116,9 +116,8 @@ def test_a_writer_whose_aggregator_cannot_be_rebuilt_blocks_then_gives_up_at_the
     """No worker left at all: logging blocks at ``max_pending`` (``TimeoutError`` after
     ``block_seconds``), and once the restart budget is spent the next call raises
     ``ServiceGaveUpError``; nothing is silently dropped."""
-    from process_helpers import wait_for_no_children
-
     from distributed import Client, LocalCluster
+    from process_helpers import wait_for_no_children
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
     cluster = LocalCluster(n_workers=1, threads_per_worker=1, dashboard_address=None)

@@ -2,8 +2,9 @@
 
 import time
 
-from carlskit.cluster._supervised import MAX_KEPT_ERRORS, LongRunningTasks, stop_flag
 from process_helpers import wait_until
+
+from carlskit.cluster._supervised import MAX_KEPT_ERRORS, LongRunningTasks, stop_flag
 
 
 def piece(flag, runs):

@@ -3,8 +3,9 @@
 import threading
 import time
 
-from carlskit.cluster._supervised import LongRunningTasks, RestartPolicy, stop_flag
 from process_helpers import wait_until
+
+from carlskit.cluster._supervised import LongRunningTasks, RestartPolicy, stop_flag
 
 
 def test_pieces_wait_for_a_service_that_is_down_and_resume_without_spending_their_budget():

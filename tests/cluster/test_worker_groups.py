@@ -6,12 +6,12 @@ import os
 import time
 
 import pytest
+from process_helpers import kill_worker, wait_until
 
 import carlskit
 from carlskit.cluster import Placement, WorkerGroup
 from carlskit.cluster._environment import WorkerFacts, choose_platform, environment_for
 from carlskit.cluster._supervised import LongRunningTasks, RestartPolicy, stop_flag
-from process_helpers import kill_worker, wait_until
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

@@ -13,8 +13,8 @@ import pytest
 
 from carlskit._errors import CorruptFileError
 from carlskit.data import (
-    DatasetNotFoundError,
     PLANETOID_SHA256,
+    DatasetNotFoundError,
     UnsafePickleError,
     data_dirs,
     load_planetoid,

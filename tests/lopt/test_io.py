@@ -5,9 +5,8 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-
 import optax
+import pytest
 
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import dumps_checked_json, loads_checked_json

@@ -4,12 +4,12 @@ import functools
 
 import numpy as np
 import optax
+from process_helpers import wait_until
 
 from carlskit.bank import KnowledgeBank
 from carlskit.makers import LabelMaker, Maker
 from carlskit.paradigms.graph_reg import MLP
 from carlskit.training import CheckpointStore, MinedLabels, Trainer, masked_cross_entropy
-from process_helpers import wait_until
 
 
 def loss(model, batch):

@@ -7,11 +7,11 @@ import time
 
 import numpy as np
 import pytest
+from process_helpers import wait_until
 
 from carlskit.bank import KnowledgeBank
 from carlskit.makers import Maker
 from carlskit.training import CheckpointStore
-from process_helpers import wait_until
 
 
 def write_version(context):

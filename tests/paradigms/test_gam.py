@@ -6,9 +6,8 @@ import sys
 from dataclasses import replace
 
 import numpy as np
-import pytest
-
 import optax
+import pytest
 
 from carlskit.bank import KnowledgeBank
 from carlskit.data import load_digits, neighbors_from_edges

@@ -9,8 +9,7 @@ import numpy as np
 import pytest
 
 from carlskit._errors import CorruptFileError
-from carlskit.summaries import CorruptRecordError, SummaryReader, SummaryWriter
-from carlskit.summaries import _format
+from carlskit.summaries import CorruptRecordError, SummaryReader, SummaryWriter, _format
 
 
 def write_batches(logdir, batches: int, points: int) -> list:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from process_helpers import connected_cluster
 
 from carlskit.summaries import SummaryReader, SummaryWriter, aggregator_of
-from process_helpers import connected_cluster
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,9 @@ import shutil
 import numpy as np
 import pytest
 
-from carlskit.summaries import SummaryReader, SummaryWriter
+from carlskit.summaries import SummaryReader, SummaryWriter, _format
 from carlskit.summaries._files import SummaryFiles
 from carlskit.summaries._writer import MAX_BINS, SummaryAggregator, SummaryAggregatorError
-from carlskit.summaries import _format
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 

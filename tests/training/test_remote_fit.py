@@ -12,13 +12,13 @@ import optax
 import psutil
 import pytest
 from flax import nnx
+from process_helpers import kill_worker, wait_for_no_children, wait_until
 
 import carlskit
 from carlskit.bank import KnowledgeBank
 from carlskit.cluster import RestartPolicy
 from carlskit.training import CheckpointStore, Trainer
 from carlskit.widgets import ClusterStatus
-from process_helpers import kill_worker, wait_for_no_children, wait_until
 
 TRUE_W = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
 

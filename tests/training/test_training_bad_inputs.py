@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_trainer import Linear, data, mse
 
 from carlskit.training import CheckpointStore, Trainer
-from test_trainer import Linear, data, mse
 
 
 def kernel(trainer):

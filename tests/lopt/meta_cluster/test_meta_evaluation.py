@@ -10,11 +10,19 @@ import numpy as np
 import optax
 import pytest
 
-from carlskit.lopt import (EvalTaskSet, EvaluationChief, LearnableAdamRule, MLPUpdateRule, QuadraticTask, Task,
-                           evaluation_curves, train_tasks_vectorized)
 from carlskit._errors import CorruptFileError, ServiceGaveUpError, WorkerLostError
 from carlskit._serialization import dumps_checked_json
 from carlskit.cluster._supervised import RestartPolicy
+from carlskit.lopt import (
+    EvalTaskSet,
+    EvaluationChief,
+    LearnableAdamRule,
+    MLPUpdateRule,
+    QuadraticTask,
+    Task,
+    evaluation_curves,
+    train_tasks_vectorized,
+)
 from carlskit.training import CheckpointStore
 
 RULE = LearnableAdamRule()

@@ -7,11 +7,11 @@ import signal
 import numpy as np
 import optax
 import pytest
+from process_helpers import wait_until
 
 import carlskit
 from carlskit.lopt import EvalTaskSet, LearnableAdam, MetaTraining, QuadraticFamily, QuadraticTask, Task
 from carlskit.lopt._gradient_store import call
-from process_helpers import wait_until
 
 TASK = QuadraticTask(4, 10.0, 0.1)
 # Shapes shared by ES workers and evaluation (2 pairs/instances, 5 steps): few compilations.
