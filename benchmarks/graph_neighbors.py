@@ -115,12 +115,14 @@ def main() -> None:
     # Staleness over a run with a live embedding maker (checkpoint every 5 steps).
     with tempfile.TemporaryDirectory() as directory:
         store = CheckpointStore(directory, keep=3)
-        trainer = Trainer(make_model(), optax.adam(1e-3), bank_loss, knowledge=NeighborKnowledge(bank, max_neighbors=10),
+        trainer = Trainer(make_model(), optax.adam(1e-3), bank_loss,
+                          knowledge=NeighborKnowledge(bank, max_neighbors=10),
                           checkpoints=store, checkpoint_every=5)
         trainer.save_checkpoint()
         maker = Maker(EmbeddingMaker(make_model, encode, features), items, poll_seconds=0.01).start(store, bank)
         try:
-            trainer.fit(make_data(10, batch_size, features, labels, neighbors, False), 4 * steps, progress=False, live=False)
+            trainer.fit(make_data(10, batch_size, features, labels, neighbors, False), 4 * steps,
+                        progress=False, live=False)
         finally:
             maker.stop()
         staleness = np.array([r["staleness"] for r in trainer.history if np.isfinite(r.get("staleness", np.nan))])

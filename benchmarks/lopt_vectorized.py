@@ -6,8 +6,9 @@ task instances. The loop calls the jitted single-task step 32 times per round; t
 calls the jitted ``vmap`` of that same step once per round, and again with the task axis split
 over the host devices (``NamedSharding(task_mesh(32), P("tasks"))``; the script sets
 ``XLA_FLAGS=--xla_force_host_platform_device_count=2`` before JAX starts unless XLA_FLAGS already
-names a device count; the loop and the plain vmapped step run on one device as before). Figures are medians over interleaved
-repeats (the machine is shared); the 1-minute load average is printed with them. A second, secondary measurement repeats
+names a device count; the loop and the plain vmapped step run on one device as before). Figures
+are medians over interleaved repeats (the machine is shared); the 1-minute load average is
+printed with them. A second, secondary measurement repeats
 this on a 64-dim quadratic, where per-call overhead rather than arithmetic dominates. It also
 measures the most this machine allows (``speedup_ceiling_flops_32``, ``speedup_ceiling_roofline_32``:
 the loop's time over the vmapped step's FLOPs and bytes, from XLA's cost analysis, at this machine's
@@ -139,7 +140,8 @@ def ceiling(rule, task, num_tasks: int, loop_rate: float) -> dict:
         return state, losses[0]
 
     batched = jax.vmap(lambda k: init_inner_state(rule, task, k, task_params(k)))(task_keys)
-    cost = jax.jit(jax.vmap(step, in_axes=(None, 0, 0))).lower(meta_params, batched, task_keys).compile().cost_analysis()
+    cost = (jax.jit(jax.vmap(step, in_axes=(None, 0, 0))).lower(meta_params, batched, task_keys)
+            .compile().cost_analysis())
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     flops, bytes_accessed = float(cost["flops"]), float(cost["bytes accessed"])
     num_params = sum(x.size for x in jax.tree.leaves(task.init(jax.random.PRNGKey(0), task_params(task_keys[0]))))

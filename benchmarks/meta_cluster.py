@@ -140,7 +140,8 @@ def main() -> None:
         "grads_per_s_in_process": round(baseline, 2),
         "grads_per_s_1_worker": round(results["1_worker"]["grads_per_s"], 2),
         "grads_per_s_2_workers": round(results["2_workers"]["grads_per_s"], 2),
-        "speedup_2_vs_1_workers": round(results["2_workers"]["grads_per_s"] / max(results["1_worker"]["grads_per_s"], 1e-9), 3),
+        "speedup_2_vs_1_workers": round(results["2_workers"]["grads_per_s"]
+                                        / max(results["1_worker"]["grads_per_s"], 1e-9), 3),
         "ratio_1_worker_vs_in_process": round(results["1_worker"]["grads_per_s"] / baseline, 3),
         "dropped_fraction_max_staleness_0": round(results["staleness_0"]["dropped_fraction"], 4),
         "dropped_fraction_max_staleness_1": round(results["staleness_1"]["dropped_fraction"], 4),

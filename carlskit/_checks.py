@@ -34,8 +34,9 @@ def integer(value: Any, name: str, minimum: int = 1, maximum: int | None = None,
 
 def int64(value: Any, name: str = "step") -> int:
     """``value`` as an ``int`` if it is a real integer (Python or numpy, or a 0-d integer array such
-    as a JAX step counter; not a bool, not a string or a float such as ``1.7`` or ``5.0``) that fits in a signed 64-bit integer (steps are stored as
-    int64); else TypeError/ValueError naming ``name``."""
+    as a JAX step counter; not a bool, not a string or a float such as ``1.7`` or ``5.0``) that fits
+    in a signed 64-bit integer (steps are stored as int64); else TypeError/ValueError naming
+    ``name``."""
     if type(value) is int:  # the common case, checked without the ABC machinery
         if INT64_MIN <= value <= INT64_MAX:
             return value

@@ -14,7 +14,8 @@ from notebook_tables import check_table, install
 
 def _old_notebook_06_table() -> pd.DataFrame:
     # What notebook 06 built: one SGD column per tuned rate, renamed to the same name.
-    rows = [{"task": "a", "learned": 0.1, "SGD tuned lr 0.1": 0.2}, {"task": "b", "learned": 0.3, "SGD tuned lr 1": 0.4}]
+    rows = [{"task": "a", "learned": 0.1, "SGD tuned lr 0.1": 0.2},
+            {"task": "b", "learned": 0.3, "SGD tuned lr 1": 0.4}]
     table = pd.DataFrame(rows).set_index("task")
     table.columns = [c.split(" lr")[0] if c.startswith("SGD") else c for c in table.columns]
     return table

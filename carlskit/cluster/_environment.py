@@ -36,7 +36,8 @@ _THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS
 _VALID_PLATFORMS = {"cpu", "gpu", "cuda", "rocm", "tpu"}
 ACCELERATOR_RESOURCES = ("gpu", "tpu", "accelerator")
 # Variables a worker may be started with (by `connect(worker_groups=...)` or a `dask worker` command).
-PLATFORM_VARIABLE, HOST_DEVICES_VARIABLE, GROUP_VARIABLE = "CARLSKIT_PLATFORM", "CARLSKIT_HOST_DEVICES", "CARLSKIT_WORKER_GROUP"
+PLATFORM_VARIABLE, HOST_DEVICES_VARIABLE, GROUP_VARIABLE = (
+    "CARLSKIT_PLATFORM", "CARLSKIT_HOST_DEVICES", "CARLSKIT_WORKER_GROUP")
 
 
 def check_platform(platform: str | None, name: str = "platform") -> str | None:

@@ -469,7 +469,8 @@ class LongRunningTasks:
                 if key in self.gave_up:
                     state, reason = "gave up", self.gave_up[key]
                 elif key in self._waiting and (key in self._held or self._hold_reason is not None):
-                    state, reason = "waiting", f"waiting for {self._hold_reason or 'a service'}; ended with {self._waiting[key]}"
+                    state, reason = "waiting", (f"waiting for {self._hold_reason or 'a service'}; "
+                                                f"ended with {self._waiting[key]}")
                 elif key in self._waiting:
                     state, reason = "restarting", self._waiting[key]
                 elif key in self._running:

@@ -27,7 +27,8 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_argument("family", choices=["planetoid"], help="data set family")
     fetch.add_argument("names", nargs="+", choices=_KNOWN, metavar="NAME", help=f"data sets: {', '.join(_KNOWN)}")
     fetch.add_argument("--dir", default=None, help="folder for NAME.npz and raw/ (default: DATA/planetoid, "
-                                                   "DATA = $CARLSKIT_DATA, the checkout's data/ or ~/.cache/carlskit/data)")
+                                                   "DATA = $CARLSKIT_DATA, the checkout's data/ or "
+                                                   "~/.cache/carlskit/data)")
     fetch.add_argument("--base-url", default=None, help="where the ind.NAME.* files lie (default: the Planetoid "
                                                         "repository on GitHub)")
     fetch.add_argument("--unpinned", action="store_true", help="accept files whose SHA-256 sums carlskit has not "

@@ -127,7 +127,8 @@ def raw_file(directory: str | os.PathLike, name: str, suffix: str) -> Path:
 def read_planetoid_raw(directory: str | os.PathLike, name: str) -> dict[str, np.ndarray]:
     """The arrays of :func:`carlskit.data.load_planetoid`'s format from the eight original files
     ``ind.NAME.*`` in ``directory`` (see the module docstring for the conversion)."""
-    missing = [str(raw_file(directory, name, s)) for s in PLANETOID_SUFFIXES if not raw_file(directory, name, s).is_file()]
+    missing = [str(raw_file(directory, name, s)) for s in PLANETOID_SUFFIXES
+               if not raw_file(directory, name, s).is_file()]
     if missing:
         raise FileNotFoundError(f"Planetoid files missing: {', '.join(missing)}")
     parts = {}
@@ -147,7 +148,8 @@ def read_planetoid_raw(directory: str | os.PathLike, name: str) -> dict[str, np.
     x, y, tx, ty, allx, ally, graph = (parts[k] for k in ("x", "y", "tx", "ty", "allx", "ally", "graph"))
     if len(tx) != len(test_index) or len(ty) != len(test_index) or len(x) != len(y) or len(allx) != len(ally):
         raise CorruptFileError(index_path, f"row counts disagree: x {len(x)}, y {len(y)}, allx {len(allx)}, "
-                                           f"ally {len(ally)}, tx {len(tx)}, ty {len(ty)}, test.index {len(test_index)}")
+                                           f"ally {len(ally)}, tx {len(tx)}, ty {len(ty)}, "
+                                           f"test.index {len(test_index)}")
     test_sorted = np.sort(test_index)
     first, last = int(test_sorted[0]), int(test_sorted[-1])
     if first != len(allx):

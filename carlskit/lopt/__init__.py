@@ -5,9 +5,9 @@ Public names: ``LearnedOptimizer``, ``LearnableAdam``, the pure update rules ``M
 ``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask``), inner training
 (``train_tasks_vectorized``, ``train_tasks_serial``) and the outer-gradient estimators
 (``full_es_gradient``, ``pes_gradient``, ``pes_init_state``, ``make_full_es_estimator``,
-``make_pes_estimator``, ``task_mesh`` for splitting PES pairs over devices), and the meta-training cluster (Metz et al. 2022, App. H.1): ``MetaTraining``,
-``GradientStore``, ``Learner``, ``EvaluationChief``, ``EvalTaskSet``, ``default_eval_task_sets``,
-``evaluation_curves``.
+``make_pes_estimator``, ``task_mesh`` for splitting PES pairs over devices), and the meta-training
+cluster (Metz et al. 2022, App. H.1): ``MetaTraining``, ``GradientStore``, ``Learner``,
+``EvaluationChief``, ``EvalTaskSet``, ``default_eval_task_sets``, ``evaluation_curves``.
 """
 
 from carlskit.lopt._estimators import (
@@ -48,7 +48,8 @@ from carlskit.lopt._tasks import (
 
 __all__ = [
     "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "EvalTaskSet", "EvaluationChief", "GradientStore",
-    "InnerState", "Learner", "MetaTraining", "default_eval_task_sets", "evaluation_curves", "LearnableAdam", "LearnableAdamRule",
+    "InnerState", "Learner", "MetaTraining", "default_eval_task_sets", "evaluation_curves", "LearnableAdam",
+    "LearnableAdamRule",
     "LearnedOptimizer", "MLPUpdateRule", "PESEstimator", "PESState", "QuadraticFamily", "QuadraticTask", "Task",
     "TaskFamily", "aggregate_losses", "antithetic_combine", "full_es_gradient", "init_inner_state",
     "make_full_es_estimator", "make_pes_estimator", "optax_train_curves", "pes_gradient", "pes_init_state",

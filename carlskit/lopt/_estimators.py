@@ -17,8 +17,9 @@ or ``make_full_es_estimator`` / ``make_pes_estimator`` which bind the configurat
 
 ``make_pes_estimator`` and ``make_full_es_estimator`` split the task axis (the pairs) over the local
 JAX devices: with 2 devices each runs half of the pairs, and the only communication is the final
-sum over pairs (an all-reduce of the meta-gradient). On a CPU host, ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-(set before JAX starts) gives N host devices whose programs run on separate threads.
+sum over pairs (an all-reduce of the meta-gradient). On a CPU host,
+``XLA_FLAGS=--xla_force_host_platform_device_count=N`` (set before JAX starts) gives N host devices
+whose programs run on separate threads.
 """
 
 from __future__ import annotations

@@ -362,7 +362,8 @@ class EvaluationChief:
                                       f"{self._loss_backoff.policy.budget_seconds:g} s; last: "
                                       f"{type(error).__name__}: {error}")
                         return completed
-                    logger.warning("evaluation job of checkpoint %d lost with its worker (%r); retrying", version, error)
+                    logger.warning("evaluation job of checkpoint %d lost with its worker (%r); retrying",
+                                   version, error)
                     self._enqueue(version)
                     continue
                 attempts = self._attempts.get(version, 0)

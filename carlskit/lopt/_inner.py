@@ -52,7 +52,8 @@ def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_ke
 
     Step ``t``: ``l_t, g_t = value_and_grad(loss)(p_t, batch_t)``; ``p_{t+1} = p_t + update(g_t)``,
     ``batch_t = task.batch(fold_in(fold_in(task_key, 1), t))``. The minibatches of a chunk of steps
-    (all of them for short unrolls) are drawn together before that chunk's ``lax.scan`` (same values as drawing them step by step).
+    (all of them for short unrolls) are drawn together before that chunk's ``lax.scan`` (same values
+    as drawing them step by step).
     """
     data_key = jax.random.fold_in(task_key, 1)
 

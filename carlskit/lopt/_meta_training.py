@@ -280,7 +280,8 @@ class MetaTraining:
         if self.evaluate:
             self.chief = EvaluationChief(
                 self.lopt.rule, self.checkpoint_path, self.eval_dir, self.eval_task_sets, client=self.client,
-                eval_workers=self.eval_workers, time_scale=self.worker_config.num_steps / self.eval_task_sets[0].num_steps,
+                eval_workers=self.eval_workers,
+                time_scale=self.worker_config.num_steps / self.eval_task_sets[0].num_steps,
                 logdir=self.logdir, on_result=self._on_eval_result, restart_policy=self.restart_policy,
                 placement=self.placement["eval_workers"])
             self.eval_results.update(self.chief.results())

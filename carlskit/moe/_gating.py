@@ -133,7 +133,8 @@ def _token_masks(
     token_shape = tuple(logits.shape[:2])
     for name, value in (("paddings", paddings), ("importance", importance)):
         if value is not None and tuple(getattr(value, "shape", ())) != token_shape:
-            raise ValueError(f"{name} must have shape [groups, group_size] = {token_shape}, got {getattr(value, 'shape', type(value))}")
+            raise ValueError(f"{name} must have shape [groups, group_size] = {token_shape}, "
+                             f"got {getattr(value, 'shape', type(value))}")
     valid = jnp.ones(token_shape, bool) if paddings is None else jnp.asarray(paddings) == 0
     first_ok, second_ok = valid, valid
     if importance is not None:

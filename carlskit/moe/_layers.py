@@ -38,7 +38,8 @@ def _dtype(value: Any, name: str, *, allow_bool: bool = False) -> Any:
         dtype = jnp.dtype(value)
     except TypeError:
         raise TypeError(f"{name} must be a dtype, got {value!r}") from None
-    allowed = [jnp.dtype(d) for d in FLOAT_DTYPES] + ([jnp.dtype(jnp.bool_), jnp.dtype(jnp.int32)] if allow_bool else [])
+    allowed = [jnp.dtype(d) for d in FLOAT_DTYPES] + ([jnp.dtype(jnp.bool_), jnp.dtype(jnp.int32)]
+                                                      if allow_bool else [])
     if dtype not in allowed:
         raise ValueError(f"{name} must be one of {[str(d) for d in allowed]}, got {dtype}")
     return dtype.type
@@ -172,7 +173,8 @@ class MoEFeedForward(nnx.Module):
         if self.mesh is not None and num_groups % self.mesh.size:
             raise ValueError(f"number of groups {num_groups} must be divisible by the mesh size {self.mesh.size}")
         if paddings is not None and tuple(getattr(paddings, "shape", ())) != (batch, length):
-            raise ValueError(f"paddings must have shape [batch, length] = {(batch, length)}, got {getattr(paddings, 'shape', type(paddings))}")
+            raise ValueError(f"paddings must have shape [batch, length] = {(batch, length)}, "
+                             f"got {getattr(paddings, 'shape', type(paddings))}")
         fprop_dtype = self.fprop_dtype or x.dtype
         tokens = split(x.reshape(-1, group_size, d_model), 0, BATCH_AXES, mesh=self.mesh)  # [G, S, M]
         if paddings is not None:
@@ -191,7 +193,8 @@ class MoEFeedForward(nnx.Module):
             batch_spec, expert_spec = PartitionSpec(BATCH_AXES), PartitionSpec(EXPERT_AXIS)
             optional = lambda value: None if value is None else batch_spec
             routing_spec = Routing(
-                batch_spec, batch_spec, PartitionSpec(), PartitionSpec(), group_size, dict(self.gating_options)["mask_dtype"]
+                batch_spec, batch_spec, PartitionSpec(), PartitionSpec(), group_size,
+                dict(self.gating_options)["mask_dtype"]
             )
             y, routing = jax.shard_map(
                 functools.partial(local, sharded=True),

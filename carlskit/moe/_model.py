@@ -117,7 +117,8 @@ class MoEModel(nnx.Module):
         self.pad_id = pad_id
         if mesh is not None:
             if not isinstance(mesh, Mesh) or not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
-                raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", got {mesh!r}')
+                raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", '
+                                 f'got {mesh!r}')
             mesh = auto_axes(mesh)
         ffn_dim = 4 * d_model if ffn_dim is None else int(ffn_dim)
         rngs = nnx.Rngs(params=seed)

@@ -177,8 +177,8 @@ def _train_with_bank(data, config, model, optimizer, loss, make_model, features,
         ids, weights = neighbors_from_edges(data.edges, data.num_items, width, seed=seed)
         bank.update("nbrs", items, {"ids": ids, "weights": weights}, version=0)
     tables = ("emb", "hidden") if config.learned_graph else ("emb",)
-    makers.insert(0, Maker(EmbeddingMaker(make_model, functools.partial(encode, tables=tables), features), items, num_slices=slices,
-                           name="embeddings"))
+    makers.insert(0, Maker(EmbeddingMaker(make_model, functools.partial(encode, tables=tables), features), items,
+                           num_slices=slices, name="embeddings"))
     store = CheckpointStore(f"{workdir}/checkpoints", keep=3)
     trainer = Trainer(model, optimizer, loss, knowledge=NeighborKnowledge(bank, max_neighbors=config.neighbors),
                       checkpoints=store, checkpoint_every=config.checkpoint_every)
@@ -187,7 +187,8 @@ def _train_with_bank(data, config, model, optimizer, loss, make_model, features,
         trainer.fit(batches(data, features, config, seed, config.multiplier), config.steps,
                     progress=progress, live=False)
     staleness = [r["staleness"] for r in trainer.history if "staleness" in r and np.isfinite(r["staleness"])]
-    extra = {"maker_status": [m.status() for m in makers], "mean_staleness": float(np.mean(staleness)) if staleness else None,
+    extra = {"maker_status": [m.status() for m in makers],
+             "mean_staleness": float(np.mean(staleness)) if staleness else None,
              "missing_neighbors": int(trainer.knowledge.missing_total)}
     return _result(trainer, data, features, started, extra)
 

@@ -12,7 +12,8 @@ the model learns the clean majority, then rising linearly from ``threshold_start
 ``threshold_end`` (0.9) over the remaining steps: early predictions, made before the model fits the
 noise, are trusted generously; later, as the model grows confident (also on noise it has started
 to memorise), only very confident mined labels replace the given ones. (On digits' validation split
-this beat a falling 0.9 -> 0.3 schedule: 92.8% vs 91.1% at 1000 steps, seed 0.) The threshold is fed per batch as a scalar array, so it never recompiles.
+this beat a falling 0.9 -> 0.3 schedule: 92.8% vs 91.1% at 1000 steps, seed 0.) The threshold is
+fed per batch as a scalar array, so it never recompiles.
 
 Data: scikit-learn digits, all training labels given, of which ``noise`` (40%) are replaced by a
 different class drawn uniformly at random (seeded); validation and test labels stay clean. The

@@ -736,7 +736,8 @@ class SummaryWriter:
                    "unacknowledged_batches": len(shard.unacked), "restarts": shard.restarts,
                    "failures": shard.backoff.failures,
                    "budget_left_seconds": round(shard.backoff.seconds_left(), 3),
-                   "reason": shard.reason, "last_failure": shard.last_failure, "recovery_seconds": list(shard.recoveries),
+                   "reason": shard.reason, "last_failure": shard.last_failure,
+                   "recovery_seconds": list(shard.recoveries),
                    "worker": getattr(shard.actor, "_address", None)}
                   for shard in self._shards]
         return {"held_entries": self._held, "max_pending": self.max_pending, "placement": str(self.placement),

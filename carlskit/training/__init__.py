@@ -12,6 +12,6 @@ from carlskit.training._losses import (
 from carlskit.training._pipeline import Prefetcher
 from carlskit.training._trainer import FitHandle, Trainer
 
-__all__ = ["CheckpointStore", "restore_model", "BankNegatives", "MinedLabels", "NeighborKnowledge", "check_embedding_dim",
-           "graph_regularization", "info_nce", "masked_cross_entropy", "pairwise_distance", "select_mined_labels", "Prefetcher",
-           "FitHandle", "Trainer"]
+__all__ = ["CheckpointStore", "restore_model", "BankNegatives", "MinedLabels", "NeighborKnowledge",
+           "check_embedding_dim", "graph_regularization", "info_nce", "masked_cross_entropy", "pairwise_distance",
+           "select_mined_labels", "Prefetcher", "FitHandle", "Trainer"]

@@ -172,7 +172,8 @@ class CheckpointStore:
         if check_finite:
             bad = non_finite_leaves(arrays)
             if bad:
-                raise ValueError(f"checkpoint version {version} not saved: leaves {bad[:5]} hold NaN or infinite values")
+                raise ValueError(f"checkpoint version {version} not saved: leaves {bad[:5]} hold NaN or "
+                                 "infinite values")
         data = arrays_to_npz_bytes(arrays)
         manifest = {
             "format": FORMAT,
@@ -226,9 +227,11 @@ class CheckpointStore:
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise CorruptFileError(path, f"not a {FORMAT} manifest")
         if set(manifest) != _MANIFEST_FIELDS:
-            raise CorruptFileError(path, f"manifest fields {sorted(set(manifest) ^ _MANIFEST_FIELDS)} differ from {FORMAT}'s")
+            raise CorruptFileError(path, f"manifest fields {sorted(set(manifest) ^ _MANIFEST_FIELDS)} "
+                                         f"differ from {FORMAT}'s")
         if manifest["version"] != version:
-            raise CorruptFileError(path, f"manifest of version {manifest['version']} under the name of version {version}")
+            raise CorruptFileError(path, f"manifest of version {manifest['version']} "
+                                         f"under the name of version {version}")
         return manifest
 
     def _arrays(self, version: int, manifest: dict) -> dict[str, np.ndarray]:
@@ -321,7 +324,8 @@ def non_finite_leaves(arrays: dict[str, Any]) -> list[str]:
     bad = []
     for name, leaf in arrays.items():
         leaf = np.asarray(leaf)
-        if jnp.issubdtype(leaf.dtype, jnp.inexact) and not np.isfinite(leaf.astype(np.complex128 if leaf.dtype.kind == "c" else np.float64)).all():
+        if (jnp.issubdtype(leaf.dtype, jnp.inexact)
+                and not np.isfinite(leaf.astype(np.complex128 if leaf.dtype.kind == "c" else np.float64)).all()):
             bad.append(name)
     return bad
 

@@ -142,7 +142,8 @@ class Trainer:
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
         self._mesh = _data_mesh()
         if self._mesh is not None:
-            self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
+            self._state = jax.device_put(self._state,
+                                         jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
         # No buffer donation: the model the user holds (and evaluates while training runs in the
         # background) shares arrays with the training state, and donated arrays are deleted.
         self._train_step = jax.jit(self._make_step())
@@ -213,7 +214,8 @@ class Trainer:
         state at ``step``, placed on this process's devices, and sync it into the model."""
         self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
-            self._state = jax.device_put(self._state, jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
+            self._state = jax.device_put(self._state,
+                                         jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
         self.step = int(step)
         self.sync()
 

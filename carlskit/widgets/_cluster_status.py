@@ -169,7 +169,8 @@ class ClusterStatus(WidgetDisplay):
             for key, table in tables.items():
                 parts.append(f"<p><i>{html.escape(str(key))}</i></p>")
                 if key in SERVICE_KEYS and _gave_up(table):
-                    parts.append(f'<p style="color:#b00020"><b>gave up: {html.escape(", ".join(_gave_up(table)))}</b></p>')
+                    parts.append(f'<p style="color:#b00020"><b>gave up: '
+                                 f'{html.escape(", ".join(_gave_up(table)))}</b></p>')
                 parts.append(html_table(table))
         return "<div>" + "".join(parts) + "</div>"
 

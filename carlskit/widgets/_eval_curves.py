@@ -211,7 +211,8 @@ class EvalCurves(WidgetDisplay):
         parts = [f"<b>EvalCurves</b>: {len(self.checkpoints)} checkpoints"]
         for checkpoint in self.checkpoints[-3:]:  # static fallback: the newest few
             table = self.final_values(checkpoint).reset_index().to_dict("records")
-            parts.append(f"<h4>{html.escape(str(checkpoint))}</h4>{png_img_tag(self.render(checkpoint), str(checkpoint))}"
+            parts.append(f"<h4>{html.escape(str(checkpoint))}</h4>"
+                         f"{png_img_tag(self.render(checkpoint), str(checkpoint))}"
                          f"{html_table(table)}")
         return "<div>" + "".join(parts) + "</div>"
 

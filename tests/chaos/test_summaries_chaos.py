@@ -103,7 +103,8 @@ def test_killing_one_aggregators_worker_loses_and_duplicates_no_point_on_any_sha
 
     print(f"\nsummaries chaos: {len(names) * steps_per_name} points, lost {lost}, duplicated {duplicated}, "
           f"re-sent records dropped by the reader {reader.duplicate_records}, recovery "
-          f"{', '.join(f'{seconds:.2f}' for seconds in recovery)} s, flush done {flushed_after_kill:.2f} s after the kill")
+          f"{', '.join(f'{seconds:.2f}' for seconds in recovery)} s, "
+          f"flush done {flushed_after_kill:.2f} s after the kill")
     record_property("points", len(names) * steps_per_name)
     record_property("points_lost", lost)
     record_property("points_duplicated", duplicated)

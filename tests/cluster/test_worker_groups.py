@@ -168,7 +168,8 @@ def test_services_are_placed_by_group_and_a_killed_maker_restarts_inside_its_gro
         store.save({"w": np.zeros(1, np.float32)}, version=1)
         items = np.arange(8)
         maker = Maker(write_version, items, num_slices=2, poll_seconds=0.05, resources={"maker": 1},
-                      restart_policy=RestartPolicy(budget_seconds=120, max_delay_seconds=1.0)).start(store, bank, client)
+                      restart_policy=RestartPolicy(budget_seconds=120,
+                                                   max_delay_seconds=1.0)).start(store, bank, client)
         maker.wait_for_version(1, timeout=120)
         assert {s["worker"] for s in maker.status()["slices"]} == {maker_worker["process"]}
 

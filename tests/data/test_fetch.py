@@ -109,7 +109,8 @@ def test_the_command_line_exits_0_1_and_2(served, tmp_path, capsys):
 
 
 def test_an_unreachable_server_is_one_line_with_status_1(tmp_path, capsys):
-    assert main(["fetch", "planetoid", "cora", "--dir", str(tmp_path), "--base-url", "http://127.0.0.1:9", "--quiet"]) == 1
+    assert main(["fetch", "planetoid", "cora", "--dir", str(tmp_path), "--base-url", "http://127.0.0.1:9",
+                 "--quiet"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "Traceback" not in error and "http://127.0.0.1:9/ind.cora.x" in error
 

@@ -19,7 +19,8 @@ QUADRATIC = QuadraticTask(dim=4, condition=10.0, noise_std=0.0)
 
 def _true_gradient(rule, meta_params, task_keys, num_steps):
     def outer_loss(theta):
-        losses = jax.vmap(lambda k: aggregate_losses(train_task(rule, QUADRATIC, theta, k, num_steps), "mean"))(task_keys)
+        losses = jax.vmap(lambda k: aggregate_losses(train_task(rule, QUADRATIC, theta, k, num_steps),
+                                                     "mean"))(task_keys)
         return jnp.mean(losses)
     return jax.jit(jax.grad(outer_loss))(meta_params)
 
@@ -164,7 +165,8 @@ def test_estimators_check_meta_params_against_the_rule():
     theta = rule.init_meta_params(jax.random.PRNGKey(0))
     full = make_full_es_estimator(rule, QUADRATIC, num_tasks=2, num_steps=3)
     pes = make_pes_estimator(rule, QUADRATIC, num_tasks=2, horizon=6, truncation_length=3)
-    with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]: shape \(8,\), MLPUpdateRule.init_meta_params gives \(4,\)"):
+    with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]: shape \(8,\), "
+                                         r"MLPUpdateRule.init_meta_params gives \(4,\)"):
         full(wider, jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"meta_params\['layers'\]\[0\]\['b'\]"):
         pes.init(wider, jax.random.PRNGKey(0))

@@ -41,7 +41,8 @@ def test_golden_aux_loss():
     routing = top2_gating(jnp.log(GOLDEN_GATES)[None], 4, second_expert_policy="all")
     # E^2 * mean_e(first-choice count_e / S * mean gate_e) = 9 * mean(.5*.425, 0*.275, .5*.3)
     assert float(routing.aux_loss) == pytest.approx(1.0875, abs=1e-5)
-    assert float(load_balancing_loss(jnp.asarray(GOLDEN_GATES)[None], jax.nn.one_hot(jnp.array([[0, 2, 2, 0]]), 3))) == pytest.approx(1.0875, abs=1e-5)
+    assert float(load_balancing_loss(jnp.asarray(GOLDEN_GATES)[None],
+                                     jax.nn.one_hot(jnp.array([[0, 2, 2, 0]]), 3))) == pytest.approx(1.0875, abs=1e-5)
 
 
 def test_balanced_router_scores_one():

@@ -54,10 +54,13 @@ def test_dispatch_functions_agree_on_random_routing():
     x = tokens(batch=3, length=6, seed=2)
     logits = jnp.asarray(np.random.default_rng(5).normal(size=(3, 6, EXPERTS)).astype(np.float32))
     routing = top2_gating(logits, 2, second_expert_policy="all")
-    np.testing.assert_allclose(np.asarray(dispatch(routing, x, "scatter")), np.asarray(dispatch(routing, x, "einsum")), atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(dispatch(routing, x, "scatter")), np.asarray(dispatch(routing, x, "einsum")), atol=1e-6
+    )
     expert_out = jnp.asarray(np.random.default_rng(6).normal(size=(EXPERTS, 3, 2, D_MODEL)).astype(np.float32))
     np.testing.assert_allclose(
-        np.asarray(combine(routing, expert_out, "scatter")), np.asarray(combine(routing, expert_out, "einsum")), atol=1e-5
+        np.asarray(combine(routing, expert_out, "scatter")), np.asarray(combine(routing, expert_out, "einsum")),
+        atol=1e-5
     )
     with pytest.raises(ValueError, match="dispatch"):
         dispatch(routing, x, "magic")

@@ -133,7 +133,8 @@ def test_small_co_training_run_grows_the_labelled_set_from_confident_self_labels
 
 @pytest.mark.slow
 def test_cora_command_reports_both_accuracies():
-    command = [sys.executable, "-m", "carlskit.paradigms.gam", "--data", "cora", "--rounds", "2", "--steps", "50", "--quiet"]
+    command = [sys.executable, "-m", "carlskit.paradigms.gam", "--data", "cora", "--rounds", "2", "--steps", "50",
+               "--quiet"]
     out = subprocess.run(command, capture_output=True, text=True, timeout=280)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

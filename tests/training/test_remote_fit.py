@@ -138,7 +138,8 @@ def test_a_killed_trainer_worker_costs_at_most_the_steps_since_the_last_checkpoi
     # the checkpoint it resumed from are the history's only gap.
     missing = sorted(set(range(1, 81)) - set(steps))
     assert all(resumed - 12 < step <= resumed for step in missing), (missing, resumed)
-    assert trainer.last_placement["group"] == "trainer" and trainer.last_placement["worker"] != trainer_worker["process"]
+    assert (trainer.last_placement["group"] == "trainer"
+            and trainer.last_placement["worker"] != trainer_worker["process"])
     reference = Trainer(Linear(), optax.adam(0.05), mse)
     reference.fit(batch_at, 80, progress=False)
     np.testing.assert_allclose(trainer.model.linear.kernel[...], reference.model.linear.kernel[...], atol=1e-5)

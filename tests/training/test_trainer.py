@@ -169,6 +169,7 @@ def test_nan_gradients_under_a_finite_loss_stop_fit_and_no_checkpoint_holds_a_na
 def test_a_checkpoint_with_nan_leaves_is_refused_and_nothing_is_written(tmp_path):
     store = CheckpointStore(tmp_path / "ckpt", keep=None)
     tree = {"model": {"w": np.array([1.0, np.nan], np.float32)}, "opt": {"mu": np.array([np.inf])}}
-    with pytest.raises(ValueError, match=r"version 3 not saved: leaves \[\"\['model'\]\['w'\]\", \"\['opt'\]\['mu'\]\"\] hold NaN"):
+    with pytest.raises(ValueError,
+                       match=r"version 3 not saved: leaves \[\"\['model'\]\['w'\]\", \"\['opt'\]\['mu'\]\"\] hold NaN"):
         store.save(tree, version=3, check_finite=True)
     assert store.versions() == [] and list((tmp_path / "ckpt").iterdir()) == []
