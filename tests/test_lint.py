@@ -1,4 +1,5 @@
-"""The package, tests and benchmarks pass the lint configuration in pyproject.toml (ruff: pyflakes, import order, line length 120)."""
+"""The package, tests and benchmarks pass the lint configuration in pyproject.toml
+(ruff: pyflakes, import order, line length 120)."""
 
 import shutil
 import subprocess
