@@ -82,7 +82,9 @@ class MoEFeedForward(nnx.Module):
     directly (else C comes from ``capacity_factor``, see :func:`~carlskit.moe.expert_capacity`).
     ``fprop_dtype`` (default: the input's dtype) is the dtype of the combine weights, the expert
     buffers and the expert FFNs; parameters keep their own dtype and are cast on use. Call with
-    ``paddings`` [B, L] (1 = padding) to route padded tokens nowhere (their output is 0).
+    ``paddings`` [B, L] (1 = padding) to route padded tokens nowhere (their output is 0), and with
+    ``importance`` [B, L] (praxis: a token takes a first choice only at importance 1 and a second
+    only above 0, so importance 0 routes it nowhere; ignored by expert choice).
 
     Returns ``(y [B, L, M], routing)``; ``routing.aux_loss`` and ``routing.metrics`` carry the
     balancing loss and drop statistics.
@@ -158,7 +160,8 @@ class MoEFeedForward(nnx.Module):
         return expert_capacity(group_size, self.num_experts, self.capacity_factor, experts_per_token(self.router))
 
     def __call__(
-        self, x: jax.Array, *, rng: jax.Array | None = None, paddings: jax.Array | None = None
+        self, x: jax.Array, *, rng: jax.Array | None = None, paddings: jax.Array | None = None,
+        importance: jax.Array | None = None,
     ) -> tuple[jax.Array, Routing]:
         d_model_expected = self.router_weights.shape[0]
         if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model_expected:
@@ -172,13 +175,17 @@ class MoEFeedForward(nnx.Module):
         num_groups = batch * length // group_size
         if self.mesh is not None and num_groups % self.mesh.size:
             raise ValueError(f"number of groups {num_groups} must be divisible by the mesh size {self.mesh.size}")
-        if paddings is not None and tuple(getattr(paddings, "shape", ())) != (batch, length):
-            raise ValueError(f"paddings must have shape [batch, length] = {(batch, length)}, "
-                             f"got {getattr(paddings, 'shape', type(paddings))}")
+        for name, value in (("paddings", paddings), ("importance", importance)):
+            if value is not None and tuple(getattr(value, "shape", ())) != (batch, length):
+                raise ValueError(f"{name} must have shape [batch, length] = {(batch, length)}, "
+                                 f"got {getattr(value, 'shape', type(value))}")
         fprop_dtype = self.fprop_dtype or x.dtype
         tokens = split(x.reshape(-1, group_size, d_model), 0, BATCH_AXES, mesh=self.mesh)  # [G, S, M]
         if paddings is not None:
             paddings = split(jnp.asarray(paddings).reshape(-1, group_size), 0, BATCH_AXES, mesh=self.mesh)
+        if importance is not None:
+            importance = split(jnp.asarray(importance, jnp.float32).reshape(-1, group_size), 0, BATCH_AXES,
+                               mesh=self.mesh)
         uniform = None
         if self.router == "top2" and self.second_expert_policy in ("random", "sampling"):
             rng = jax.random.key(0) if rng is None else rng
@@ -188,7 +195,7 @@ class MoEFeedForward(nnx.Module):
         weights = (self.router_weights[...], self.expert_wi[...], self.expert_wo[...])
         local = functools.partial(self._local, capacity=capacity, fprop_dtype=fprop_dtype)
         if self.mesh is None or self.mesh.size == 1:
-            y, routing = local(tokens, *weights, uniform, paddings, sharded=False)
+            y, routing = local(tokens, *weights, uniform, paddings, importance, sharded=False)
         else:
             batch_spec, expert_spec = PartitionSpec(BATCH_AXES), PartitionSpec(EXPERT_AXIS)
             optional = lambda value: None if value is None else batch_spec
@@ -199,14 +206,15 @@ class MoEFeedForward(nnx.Module):
             y, routing = jax.shard_map(
                 functools.partial(local, sharded=True),
                 mesh=self.mesh,
-                in_specs=(batch_spec, PartitionSpec(), expert_spec, expert_spec, optional(uniform), optional(paddings)),
+                in_specs=(batch_spec, PartitionSpec(), expert_spec, expert_spec, optional(uniform), optional(paddings),
+                          optional(importance)),
                 out_specs=(batch_spec, routing_spec),
-            )(tokens, *weights, uniform, paddings)
+            )(tokens, *weights, uniform, paddings, importance)
         return y.reshape(batch, length, d_model).astype(x.dtype), routing
 
     def _local(
-        self, tokens, router_weights, expert_wi, expert_wo, uniform, paddings, *, capacity: int, fprop_dtype,
-        sharded: bool,
+        self, tokens, router_weights, expert_wi, expert_wo, uniform, paddings, importance, *, capacity: int,
+        fprop_dtype, sharded: bool,
     ):
         """Route, dispatch, run the experts and combine, for the groups and experts held locally.
 
@@ -216,6 +224,8 @@ class MoEFeedForward(nnx.Module):
         """
         logits = jnp.einsum("gsm,me->gse", tokens, router_weights.astype(tokens.dtype))
         options = dict(dict(self.gating_options), paddings=paddings, fprop_dtype=fprop_dtype)
+        if importance is not None:  # expert choice has no per-token importance: route() drops it there
+            options["importance"] = importance
         if self.router == "top2":
             options.update(second_expert_policy=self.second_expert_policy, second_choice_uniform=uniform)
         routing = route(logits, capacity, router=self.router, **options)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from carlskit.moe import MoEFeedForward, MoEModel
+from carlskit.moe import MoEFeedForward, MoEModel, top2_gating
 
 VOCAB, LENGTH, PAD = 16, 12, 15
 
@@ -54,6 +54,27 @@ def test_layer_routes_padded_tokens_nowhere():
     np.testing.assert_allclose(np.asarray(y_other)[:, :5], np.asarray(y)[:, :5], rtol=1e-6)
     with pytest.raises(ValueError, match="paddings"):
         layer(jnp.asarray(x), paddings=jnp.zeros((2, 7)))
+
+
+def test_layer_passes_importance_to_its_gating():
+    # praxis semantics through the layer: importance 1 = routed as without it, 0 = no expert (output
+    # 0), 0.5 = a second choice only; the tokens' routing equals top2_gating's on the same logits.
+    layer = MoEFeedForward(8, 16, 4, second_expert_policy="all", expert_capacity=16, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 8, 8)).astype(np.float32))
+    plain, _ = layer(x)
+    same, _ = layer(x, importance=jnp.ones((2, 8)))
+    np.testing.assert_allclose(np.asarray(same), np.asarray(plain), rtol=1e-6)
+    importance = np.ones((2, 8), np.float32)
+    importance[:, 6:] = 0.0
+    importance[:, 4] = 0.5
+    y, routing = layer(x, importance=jnp.asarray(importance))
+    assert not np.asarray(y)[:, 6:].any()
+    np.testing.assert_allclose(np.asarray(y)[:, :4], np.asarray(plain)[:, :4], rtol=1e-5)
+    logits = jnp.einsum("gsm,me->gse", x, layer.router_weights[...])
+    expected = top2_gating(logits, 16, second_expert_policy="all", importance=jnp.asarray(importance))
+    np.testing.assert_allclose(np.asarray(routing.combine_weights), np.asarray(expected.combine_weights), atol=1e-6)
+    with pytest.raises(ValueError, match="importance"):
+        layer(x, importance=jnp.ones((2, 7)))
 
 
 def test_router_z_loss_is_a_training_term():
