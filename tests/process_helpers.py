@@ -73,12 +73,16 @@ def checkout_cluster(n_workers: int = 2):
 
 
 @contextlib.contextmanager
-def connected_cluster(n_workers: int = 2):
-    """``carlskit.connect(n_workers=...)``'s embedded cluster; fails if it leaves processes behind."""
+def connected_cluster(n_workers: int = 2, **connect_arguments):
+    """``carlskit.connect(n_workers=..., **connect_arguments)``'s embedded cluster (or its
+    ``worker_groups=``); fails if it leaves processes behind."""
     import carlskit
 
     before = {child.pid for child in psutil.Process().children(recursive=True)}
-    client = carlskit.connect(n_workers=n_workers)
+    if "worker_groups" in connect_arguments:
+        client = carlskit.connect(**connect_arguments)
+    else:
+        client = carlskit.connect(n_workers=n_workers, **connect_arguments)
     try:
         yield client
     finally:

@@ -6,18 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from tiny_models import Linear
 
 import carlskit
 from carlskit.training import CheckpointStore, Trainer
-
-
-class Linear(nnx.Module):
-    def __init__(self, seed=0):
-        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(seed))
-
-    def __call__(self, x):
-        return self.linear(x)[:, 0]
 
 
 def mse(model, batch):

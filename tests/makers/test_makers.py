@@ -21,6 +21,19 @@ def write_version(context):
     context.bank.update("emb", context.items, rows, version=context.version)
 
 
+def fails_first_round():
+    """A maker function whose first round raises ZeroDivisionError; later rounds write_version."""
+    calls = []
+
+    def flaky(context):
+        calls.append(context.version)
+        if len(calls) == 1:
+            raise ZeroDivisionError("first round fails")
+        write_version(context)
+
+    return flaky
+
+
 def bank_versions(bank, items):
     return bank.row_metadata("emb", items)["version"]
 
@@ -49,13 +62,7 @@ def test_a_failing_maker_is_restarted_and_its_error_kept(tmp_path, capsys):
     bank = KnowledgeBank()
     bank.create_table("emb", dim=4, initializer="zeros")
     store = CheckpointStore(tmp_path)
-    calls = []
-
-    def flaky(context):
-        calls.append(context.version)
-        if len(calls) == 1:
-            raise ZeroDivisionError("first round fails")
-        write_version(context)
+    flaky = fails_first_round()
 
     store.save({"w": np.float32(1)}, version=1)
     maker = Maker(flaky, np.arange(10), poll_seconds=0.01).start(store, bank)
@@ -112,13 +119,7 @@ def test_paradigms_keep_a_run_whose_maker_recovered_and_refuse_one_whose_maker_g
     bank.create_table("emb", dim=4, initializer="zeros")
     store = CheckpointStore(tmp_path)
     store.save({"w": np.float32(0)}, version=0)
-    calls = []
-
-    def flaky(context):
-        calls.append(context.version)
-        if len(calls) == 1:
-            raise ZeroDivisionError("first round fails")
-        write_version(context)
+    flaky = fails_first_round()
 
     with pytest.warns(RuntimeWarning, match=r"1 maker error\(s\), each recovered.*first round fails"):
         with makers_running([(Maker(flaky, np.arange(10), poll_seconds=0.01, name="flaky"), store)], bank):

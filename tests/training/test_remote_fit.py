@@ -9,10 +9,9 @@ import time
 import jax.numpy as jnp
 import numpy as np
 import optax
-import psutil
 import pytest
-from flax import nnx
-from process_helpers import kill_worker, wait_for_no_children, wait_until
+from process_helpers import connected_cluster, kill_worker, wait_until
+from tiny_models import Linear
 
 import carlskit
 from carlskit.bank import KnowledgeBank
@@ -21,14 +20,6 @@ from carlskit.training import CheckpointStore, Trainer
 from carlskit.widgets import ClusterStatus
 
 TRUE_W = np.array([1.0, -2.0, 0.5, 3.0], np.float32)
-
-
-class Linear(nnx.Module):
-    def __init__(self, seed=0):
-        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(seed))
-
-    def __call__(self, x):
-        return self.linear(x)[:, 0]
 
 
 def mse(model, batch):
@@ -59,19 +50,13 @@ class BankOffset:
 
 @pytest.fixture(scope="module")
 def groups():
-    """One two-group cluster for the module; fails if it leaves processes behind (checked here,
-    not per test: the chaos test's replacement worker belongs to the cluster)."""
-    before = {child.pid for child in psutil.Process().children(recursive=True)}
-    client = carlskit.connect(worker_groups={
+    """One two-group cluster for the module; fails if it leaves processes behind (checked when it
+    closes, not per test: the chaos test's replacement worker belongs to the cluster)."""
+    with connected_cluster(worker_groups={
         "trainer": {"n_workers": 1, "devices": 2, "resources": {"accelerator": 1}},
         "makers": {"n_workers": 1, "resources": {"maker": 1}},
-    })
-    try:
+    }) as client:
         yield client
-    finally:
-        client.close()
-    leftovers = wait_for_no_children(before)
-    assert not leftovers, f"cluster left processes running: {leftovers}"
 
 
 def test_fit_runs_on_the_accelerator_group_and_brings_back_what_a_local_fit_would(groups, tmp_path):

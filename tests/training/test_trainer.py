@@ -8,17 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import nnx
+from tiny_models import Linear
 
 from carlskit.training import CheckpointStore, Trainer
-
-
-class Linear(nnx.Module):
-    def __init__(self, seed=0):
-        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(seed))
-
-    def __call__(self, x):
-        return self.linear(x)[:, 0]
 
 
 def mse(model, batch):
@@ -110,7 +102,8 @@ def test_data_parallel_over_8_devices_matches_one_device():
     results = []
     for flags in ("", "--xla_force_host_platform_device_count=8"):
         env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
-               "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+               "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
+                                              os.environ.get("PYTHONPATH", "")])}
         out = subprocess.run([sys.executable, "-c", DATA_PARALLEL], env=env, capture_output=True, text=True,
                              timeout=240)
         assert out.returncode == 0, out.stderr[-2000:]
