@@ -17,9 +17,10 @@ Gradients from every sender (processes, Dask tasks) are cached and counted; ``up
 discards its cached gradients. See :func:`combine_gradients` for the pure, vectorized rule.
 """
 
-from carlskit.bank._bank import BankFuture, KnowledgeBank, ShardLostError
+from carlskit.bank._bank import KnowledgeBank
 from carlskit.bank._hashing import key_from_string
 from carlskit.bank._lazy import CombinedGradients, adagrad_step, combine_gradients, sgd_step
+from carlskit.bank._transport import BankFuture, ShardLostError
 
 __all__ = ["KnowledgeBank", "BankFuture", "ShardLostError", "key_from_string", "combine_gradients",
            "CombinedGradients", "sgd_step", "adagrad_step"]

@@ -39,6 +39,7 @@ import hashlib
 import io
 import os
 import re
+import time
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -49,6 +50,8 @@ import numpy as np
 from carlskit._checks import integer
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json
+from carlskit.bank._config import EmbeddingTableConfig, TableConfig
+from carlskit.bank._hashmap import BUCKET
 
 SNAPSHOT_FORMAT = "carlskit.KnowledgeBank"
 SNAPSHOT_VERSION = 2
@@ -244,34 +247,32 @@ class PartReader:
 
 
 # ----------------------------------------------------------------------------- manifest
-def expected_layout(config: dict[str, Any], rows: int, pending: int,
+def expected_layout(config: TableConfig, rows: int, pending: int,
                     row_map_buckets: int) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """The columns of a part of a table with ``config``, in file order: keys first (re-routing
     reads them before anything else), then metadata, data, pending gradients, the hash map."""
     columns = [("keys", np.dtype(np.int64), (rows,)), ("version", np.dtype(np.int64), (rows,)),
                ("last_write_time", np.dtype(np.float64), (rows,)),
                ("lookup_count", np.dtype(np.int64), (rows,))]
-    if config["kind"] == "embedding":
-        dim = config["dim"]
+    if isinstance(config, EmbeddingTableConfig):
+        dim = config.dim
         columns += [("values", np.dtype(np.float32), (rows, dim)),
                     ("norms", np.dtype(np.float32), (rows,))]
-        if config["optimizer"] == "adagrad":
+        if config.optimizer == "adagrad":
             columns.append(("accumulator", np.dtype(np.float32), (rows, dim)))
         columns += [("pending_keys", np.dtype(np.int64), (pending,)),
                     ("pending_gradients", np.dtype(np.float32), (pending, dim)),
                     ("pending_times", np.dtype(np.float64), (pending,))]
     else:
-        for field, (dtype, width) in sorted(config["schema"].items()):  # as the manifest sorts them
+        for field, dtype, width in sorted(config.schema):  # as the manifest sorts them
             columns.append(("field:" + field, np.dtype(dtype), (rows, width)))
-    from carlskit.bank._hashmap import BUCKET
-
     columns += [("row_map_keys", np.dtype(np.int64), (row_map_buckets, BUCKET)),
                 ("row_map_rows", np.dtype(np.int32), (row_map_buckets, BUCKET)),
                 ("row_map_fill", np.dtype(np.int16), (row_map_buckets,))]
     return columns
 
 
-def check_part(part: Any, config: dict[str, Any], shard: int, where: str) -> dict:
+def check_part(part: Any, config: TableConfig, shard: int, where: str) -> dict:
     """``part`` (a manifest entry) checked against the table's config; CorruptFileError naming
     ``where`` (the manifest) otherwise."""
     def bad(problem: str) -> CorruptFileError:
@@ -317,8 +318,6 @@ def read_manifest(location: Location) -> dict:
     """The checked manifest of the snapshot at ``location``. FileNotFoundError when there is no
     snapshot; CorruptFileError naming the file for an interrupted save, a damaged or inconsistent
     manifest, a missing part or one of the wrong size."""
-    from carlskit.bank._bank import _checked_table_config  # the one checker of table configs
-
     names = location.names()
     where = location.file(MANIFEST)
     if MANIFEST not in names:
@@ -352,7 +351,7 @@ def read_manifest(location: Location) -> dict:
                                           f"got {name!r} (names repeat?)")
         seen.add(name)
         try:
-            entry["config"] = _checked_table_config(entry["config"])
+            entry["config"] = TableConfig.from_json(entry["config"])
         except (TypeError, ValueError) as error:
             raise CorruptFileError(where, f"table {name!r}: bad table config ({error})") from error
         parts = entry["parts"]
@@ -463,3 +462,95 @@ def run_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
         return [calls[0]()]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+# ----------------------------------------------------------------------------- a bank's snapshots
+def save(shards: Any, configs: dict[str, TableConfig], location: Location,
+         wal_directory: str | None = None) -> dict:
+    """Save the tables ``configs`` of ``shards`` (a bank's :class:`~carlskit.bank._transport.ShardSet`)
+    to ``location``: every shard writes its parts, then the manifest is written (the commit
+    point). With ``wal_directory``, every shard starts a new write-ahead log segment at its part.
+    Returns the manifest."""
+    check_save_target(location)
+    names = sorted(configs)
+    save_id = new_save_id()
+    written = shards.call_parallel("write_snapshot_parts", {
+        i: (location.url, save_id, names, wal_directory) for i in range(len(shards))})
+    tables = []
+    for name in names:
+        parts = [written[i]["parts"][name] for i in range(len(shards))]
+        tables.append({"name": name, "config": configs[name].to_json(),
+                       "rows": sum(part["rows"] for part in parts),
+                       "counters": _summed_counters(parts), "parts": parts})
+    manifest = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "saved_at": time.time(),
+                "num_shards": len(shards), "save_id": save_id, "tables": tables,
+                "write_ahead_log": (None if wal_directory is None else
+                                    [written[i]["wal_segment"] for i in range(len(shards))])}
+    write_manifest(location, manifest)  # the commit point
+    return manifest
+
+
+def _summed_counters(parts: list[dict]) -> dict[str, int]:
+    counters: dict[str, int] = {}
+    for part in parts:
+        for key, value in part["counters"].items():
+            counters[key] = counters.get(key, 0) + int(value)
+    return counters
+
+
+def import_plan(manifest: dict, shard: int, num_shards: int) -> list:
+    """What shard ``shard`` of ``num_shards`` reads from a snapshot: per table (name, parts,
+    counters, same_layout). Same shard count: its own part and counters; another: every part
+    (streamed, its rows kept), the summed counters on shard 0."""
+    if manifest["num_shards"] == num_shards:
+        return [(entry["name"], [entry["parts"][shard]], entry["parts"][shard]["counters"], True)
+                for entry in manifest["tables"]]
+    return [(entry["name"], entry["parts"], _summed_counters(entry["parts"]) if shard == 0 else None,
+             False) for entry in manifest["tables"]]
+
+
+def load(shards: Any, manifest: dict, location: Location) -> None:
+    """Fill the (empty) tables of ``shards`` from the snapshot at ``location``: each shard reads
+    its own part, or streams every part keeping its rows (another shard count)."""
+    shards.call_parallel("import_snapshot", {
+        s: (location.url, import_plan(manifest, s, len(shards))) for s in range(len(shards))})
+
+
+def recovery_source(series: "SnapshotSeries | None", wal_directory: str | None,
+                    snapshot: str | os.PathLike | None, lost: list[int],
+                    num_shards: int) -> tuple[Location, dict, str | None]:
+    """Where lost shards are rebuilt from: (snapshot location, its checked manifest, the
+    write-ahead log directory to replay or None). ``snapshot`` None: the newest intact one of
+    ``series`` (and the log, if the bank keeps one and that snapshot started a segment)."""
+    if snapshot is None:
+        path = None if series is None else series.latest()
+        if path is None:
+            raise ValueError(f"shards {lost} are lost and there is no snapshot to rebuild "
+                             f"them from: call enable_snapshots(directory) before a loss "
+                             f"(or pass snapshot=<path>)")
+    else:
+        path, wal_directory = os.fspath(snapshot), None
+    location = Location(path)
+    manifest = read_manifest(location)
+    if manifest["num_shards"] != num_shards:
+        raise ValueError(f"snapshot {location.url!r} has {manifest['num_shards']} shards, "
+                         f"this bank {num_shards}: recover() rebuilds a shard from its own part")
+    if manifest["write_ahead_log"] is None:
+        wal_directory = None
+    return location, manifest, wal_directory
+
+
+def restore_shard(actor: Any, shard: int, configs: dict[str, TableConfig], location: Location,
+                  manifest: dict, wal_directory: str | None) -> dict[str, Any]:
+    """Fill the new, empty actor of lost shard ``shard`` from its part of the snapshot, then replay
+    its write-ahead log since that snapshot (``wal_directory``). Returns its rows per table and the
+    number of calls replayed."""
+    for name, config in configs.items():
+        actor.create_table(name, config, 1024).result()
+    actor.import_snapshot(location.url, import_plan(manifest, shard, manifest["num_shards"])).result()
+    replayed = 0
+    if wal_directory is not None:
+        replayed = actor.replay_write_ahead_log(wal_directory,
+                                                manifest["write_ahead_log"][shard]).result()
+    rows = {name: table["rows"] for name, table in actor.stats().result().items()}
+    return {"rows": rows, "replayed_calls": replayed}

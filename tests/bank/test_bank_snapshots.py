@@ -12,7 +12,7 @@ from process_helpers import wait_until
 from carlskit._errors import CorruptFileError
 from carlskit.bank import KnowledgeBank
 from carlskit.bank._shard import _Shard
-from carlskit.bank._snapshot import Location, read_manifest
+from carlskit.bank._snapshot import Location, import_plan, read_manifest
 from carlskit.bank._wal import records_since, segment_numbers, shard_directory
 
 DIM = 4
@@ -24,11 +24,9 @@ def rebuilt_shard(bank: KnowledgeBank, shard: int, clock) -> _Shard:
     path = bank.latest_snapshot()
     manifest = read_manifest(Location(path))
     fresh = _Shard(shard, bank.num_shards, clock)
-    for name, config in bank.tables.items():
+    for name, config in bank._all_configs().items():
         fresh.create_table(name, config)
-    from carlskit.bank._bank import _import_plan
-
-    fresh.import_snapshot(path, _import_plan(manifest, shard, bank.num_shards))
+    fresh.import_snapshot(path, import_plan(manifest, shard, bank.num_shards))
     fresh.replay_write_ahead_log(bank._wal_directory, manifest["write_ahead_log"][shard])
     return fresh
 
