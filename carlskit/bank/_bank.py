@@ -239,12 +239,19 @@ class KnowledgeBank:
         self._shards.call_all("ping")
         return time.perf_counter() - start
 
+    def _routed(self, keys: np.ndarray, detach: bool = False) -> tuple[list, dict[int, np.ndarray]]:
+        """The routes of ``keys`` (:meth:`ShardSet.route`) and the keys each shard gets; with
+        ``detach``, copied where the call would otherwise send the caller's own array."""
+        routes = self._shards.route(keys)
+        whole = _detached(keys, detach and self._shards.remote)
+        return routes, {s: whole if pos is None else keys[pos] for s, pos in routes}
+
     def _config(self, table: Any) -> TableConfig:
         self._shards.require_open()
         if not isinstance(table, str):
             raise TypeError(f"table must be a table name (str), got {type(table).__name__}")
         if table not in self._configs:
-            self._configs.update(self._shards.call("table_configs", {0: ()})[0])  # created elsewhere?
+            self._all_configs()  # created elsewhere?
         if table not in self._configs:
             raise ValueError(f"unknown table {table!r}; tables: {sorted(self._configs)}")
         return self._configs[table]
@@ -261,7 +268,7 @@ class KnowledgeBank:
             raise TypeError(f"name must be a non-empty str, got {type(name).__name__}")
         if not name:
             raise ValueError("name must be a non-empty str, got ''")
-        if name in self._configs or name in self._shards.call("table_configs", {0: ()})[0]:
+        if name in self._configs or name in self._all_configs():
             raise ValueError(f"table {name!r} already exists")
         per_shard = min(max(16, -(-capacity // self.num_shards)), PREALLOCATED_ROWS)
         self._shards.call_all("create_table", name, config, per_shard)
@@ -338,11 +345,9 @@ class KnowledgeBank:
         keys = _as_keys(keys)
         if not isinstance(insert_missing, (bool, np.bool_)):
             raise TypeError(f"insert_missing must be a bool, got {type(insert_missing).__name__}")
-        routes = self._shards.route(keys)
-        whole = _detached(keys, detach and self._shards.remote)
-        sent = {s: whole if pos is None else keys[pos] for s, pos in routes}
+        routes, sent = self._routed(keys, detach)
         pending = self._shards.submit("lookup", {s: (table, sent[s], bool(insert_missing))
-                                          for s, _ in routes})
+                                                 for s, _ in routes})
         return pending, lambda results: _merge_lookups(config, len(keys), routes, results), sent
 
     def update(self, table: str, keys: Any, values: Any, version: int = 0) -> None:
@@ -363,11 +368,10 @@ class KnowledgeBank:
                                         dtype=np.dtype(dtype))
                       for field, dtype, width in config.schema}
             pick = lambda v, pos: {f: a[pos] for f, a in v.items()}  # noqa: E731
-        routes = self._shards.route(keys)
-        sent = {s: keys if pos is None else keys[pos] for s, pos in routes}
-        self._shards.collect(self._shards.submit("update", {
+        routes, sent = self._routed(keys)
+        self._shards.call("update", {
             s: (table, keys, values, version) if pos is None else
-            (table, sent[s], pick(values, pos), version) for s, pos in routes}), sent)
+            (table, sent[s], pick(values, pos), version) for s, pos in routes}, sent)
 
     def apply_gradients(self, table: str, keys: Any, gradients: Any) -> None:
         """Cache gradients ([n, dim]) for ``keys``; they are applied lazily (module docstring):
@@ -388,9 +392,8 @@ class KnowledgeBank:
         config = self._embedding_config(table, "apply_gradients")
         keys = _as_keys(keys)
         gradients = _as_matrix(gradients, len(keys), config.dim, "gradients", finite=False)
-        routes = self._shards.route(keys)
+        routes, sent = self._routed(keys, detach)
         detach = detach and self._shards.remote
-        sent = {s: _detached(keys, detach) if pos is None else keys[pos] for s, pos in routes}
         return self._shards.submit("apply_gradients", {
             s: (table, sent[s], _detached(gradients, detach)) if pos is None else
             (table, sent[s], gradients[pos]) for s, pos in routes}), sent
@@ -464,10 +467,10 @@ class KnowledgeBank:
         (seconds, NaN if absent) and ``lookup_count``; one call per shard. Counts no lookup."""
         self._config(table)
         keys = _as_keys(keys)
-        routes = self._shards.route(keys) or [(0, None)]  # no keys: ask one shard for empty columns
-        sent = {s: keys if pos is None else keys[pos] for s, pos in routes}
-        results = self._shards.collect(self._shards.submit("row_metadata", {s: (table, sent[s]) for s in sent}),
-                                sent)
+        routes, sent = self._routed(keys)
+        if not routes:  # no keys, several shards: ask one shard for empty columns
+            routes, sent = [(0, None)], {0: keys}
+        results = self._shards.call("row_metadata", {s: (table, sent[s]) for s in sent}, sent)
         if routes[0][1] is None:
             return _owned(results[0])
         out = {name: np.empty(len(keys), dtype=array.dtype)

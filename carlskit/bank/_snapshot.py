@@ -341,39 +341,46 @@ def read_manifest(location: Location) -> dict:
     tables = content.get("tables")
     if not isinstance(tables, list):
         raise CorruptFileError(where, "'tables' must be a list")
-    seen = set()
+    seen: set[str] = set()
     for number, entry in enumerate(tables):
-        if not isinstance(entry, dict) or not {"name", "config", "parts"} <= set(entry):
-            raise CorruptFileError(where, f"table {number} must be a dict with name, config, parts")
-        name = entry["name"]
-        if not isinstance(name, str) or not name or name in seen:
-            raise CorruptFileError(where, f"table {number}: name must be a new non-empty str, "
-                                          f"got {name!r} (names repeat?)")
-        seen.add(name)
-        try:
-            entry["config"] = TableConfig.from_json(entry["config"])
-        except (TypeError, ValueError) as error:
-            raise CorruptFileError(where, f"table {name!r}: bad table config ({error})") from error
-        parts = entry["parts"]
-        if not isinstance(parts, list) or len(parts) != num_shards:
-            raise CorruptFileError(where, f"table {name!r}: needs one part per shard "
-                                          f"({num_shards})")
-        for shard, part in enumerate(parts):
-            check_part(part, entry["config"], shard, where)
-            if not part["file"].startswith(f"t{number:03d}-s{shard:05d}-"):
-                raise CorruptFileError(where, f"table {name!r} shard {shard}: file "
-                                              f"{part['file']!r} is another table's or shard's")
-            if part["file"] not in names:
-                raise CorruptFileError(location.file(part["file"]), "part file is missing")
-            size = location.fs.size(location.file(part["file"]))
-            if size != part["bytes"]:
-                raise CorruptFileError(location.file(part["file"]),
-                                       f"{size} bytes, its manifest records {part['bytes']}")
+        _check_table_entry(entry, number, num_shards, seen, location, names)
     wal = content.get("write_ahead_log")
     if wal is not None and not (isinstance(wal, list) and len(wal) == num_shards and all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in wal)):
         raise CorruptFileError(where, "write_ahead_log must be null or one segment per shard")
     return content
+
+
+def _check_table_entry(entry: Any, number: int, num_shards: int, seen: set[str],
+                       location: Location, names: list[str]) -> None:
+    """Check table ``number`` of a manifest (its config becomes a :class:`TableConfig`) and its
+    parts' files (present, of the recorded size); CorruptFileError naming the file otherwise."""
+    where = location.file(MANIFEST)
+    if not isinstance(entry, dict) or not {"name", "config", "parts"} <= set(entry):
+        raise CorruptFileError(where, f"table {number} must be a dict with name, config, parts")
+    name = entry["name"]
+    if not isinstance(name, str) or not name or name in seen:
+        raise CorruptFileError(where, f"table {number}: name must be a new non-empty str, "
+                                      f"got {name!r} (names repeat?)")
+    seen.add(name)
+    try:
+        entry["config"] = TableConfig.from_json(entry["config"])
+    except (TypeError, ValueError) as error:
+        raise CorruptFileError(where, f"table {name!r}: bad table config ({error})") from error
+    parts = entry["parts"]
+    if not isinstance(parts, list) or len(parts) != num_shards:
+        raise CorruptFileError(where, f"table {name!r}: needs one part per shard ({num_shards})")
+    for shard, part in enumerate(parts):
+        check_part(part, entry["config"], shard, where)
+        if not part["file"].startswith(f"t{number:03d}-s{shard:05d}-"):
+            raise CorruptFileError(where, f"table {name!r} shard {shard}: file "
+                                          f"{part['file']!r} is another table's or shard's")
+        if part["file"] not in names:
+            raise CorruptFileError(location.file(part["file"]), "part file is missing")
+        size = location.fs.size(location.file(part["file"]))
+        if size != part["bytes"]:
+            raise CorruptFileError(location.file(part["file"]),
+                                   f"{size} bytes, its manifest records {part['bytes']}")
 
 
 def write_manifest(location: Location, content: dict) -> None:

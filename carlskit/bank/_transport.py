@@ -295,9 +295,11 @@ class ShardSet:
             raise other
         return results
 
-    def call(self, method: str, calls: dict[int, tuple]) -> dict[int, Any]:
-        """One call per shard in ``calls`` ({shard: args}); distributed calls run concurrently."""
-        return self.collect(self.submit(method, calls))
+    def call(self, method: str, calls: dict[int, tuple],
+             keys_by_shard: dict[int, np.ndarray] | None = None) -> dict[int, Any]:
+        """One call per shard in ``calls`` ({shard: args}); distributed calls run concurrently.
+        ``keys_by_shard``: the keys each shard is sent (a ShardLostError says which were applied)."""
+        return self.collect(self.submit(method, calls), keys_by_shard)
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
         """The same call on every shard; the results in shard order."""
