@@ -1,27 +1,18 @@
 """KnowledgeBank: the client of a sharded store of embeddings and feature records (CARLS 3.2).
 
-A facade: it validates every batch completely, then hands it to its shard set
-(:mod:`carlskit.bank._transport`: routing by ``splitmix64(key) mod num_shards``, exactly one call
-per shard per batch, lost shards recognised by type and rebuilt), and its snapshots to
-:mod:`carlskit.bank._snapshot` (format, save, load, recovery source); table options are the typed
-configs of :mod:`carlskit.bank._config`. Without a Dask
-client the shards are plain objects in this process; with one, each shard is a Dask actor pinned to
-a worker (round robin over the cluster's workers) and the calls to different shards are issued
-together, then awaited, so shards work concurrently. On a plain-tcp cluster the batch calls
-(lookup, update, apply_gradients, row_metadata) travel on the direct path of
-:mod:`carlskit.bank._direct` (a ZeroMQ socket per shard beside its actor: 0.5 ms round trip to both
-shards against 2.1 ms through Dask's actor RPC); everything else uses the actor. ``lookup_async``
-and ``apply_gradients_async`` return a :class:`BankFuture` right after sending, so a caller can keep
-several batches in flight.
-
-Lazy gradient updates follow the CARLS rule documented in :mod:`carlskit.bank._lazy`: gradients
-for a key are cached until (a) the key is looked up, (b) it has ``max_pending`` cached gradients,
-or (c) its oldest cached gradient is older than ``pending_ttl_seconds`` (checked at the start of
-every call that reaches the key's shard, and by :meth:`KnowledgeBank.flush`). Then: drop NaN/Inf
-gradients; if >= 3 remain drop those with ``norm > median + outlier_threshold * 1.4826 * MAD``;
-average the rest and take one ``sgd`` (v -= lr g) or ``adagrad`` (a += g^2; v -= lr g /
-sqrt(a + eps)) step. An ``update`` of a key discards its cached gradients (they were computed
-against the value being replaced; counted as ``discarded_by_update``).
+A facade: it validates every call completely (bad input raises before anything is sent), then hands
+it to its shard set (:mod:`carlskit.bank._transport`: routing by ``splitmix64(key) mod
+num_shards``, exactly one call per shard per batch, lost shards recognised by type and rebuilt) or
+to the snapshot functions (:mod:`carlskit.bank._snapshot`: format, save, load, recovery source);
+table options are the typed configs of :mod:`carlskit.bank._config`. Without a Dask client the
+shards are plain objects in this process; with one, each shard is a Dask actor pinned to a worker,
+and the calls to different shards are issued together, then awaited, so shards work concurrently.
+On a plain-tcp cluster the batch calls (lookup, update, apply_gradients, row_metadata) travel on the
+direct path of :mod:`carlskit.bank._direct` (a ZeroMQ socket per shard beside its actor: 0.5 ms
+round trip to both shards against 2.1 ms through Dask's actor RPC); everything else uses the actor.
+``lookup_async`` and ``apply_gradients_async`` return a :class:`BankFuture` right after sending, so
+a caller can keep several batches in flight. The lazy gradient rule is documented in
+:mod:`carlskit.bank` and :mod:`carlskit.bank._lazy`.
 """
 
 from __future__ import annotations
