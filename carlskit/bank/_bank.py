@@ -18,6 +18,7 @@ a caller can keep several batches in flight. The lazy gradient rule is documente
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -129,23 +130,30 @@ def _owned(value: Any) -> Any:
 
 
 
+def _in_key_order(routes: list[tuple[int, np.ndarray | None]], n: int, parts: dict[int, Any]) -> Any:
+    """Per-shard results (arrays, tuples or dicts of them, one row per key sent) back in the
+    caller's order of its ``n`` keys (``routes``: :meth:`ShardSet.route`)."""
+    first = parts[routes[0][0]]
+    if routes[0][1] is None:  # one shard had every key, in order
+        return _owned(first)
+    if isinstance(first, (tuple, dict)):
+        names = range(len(first)) if isinstance(first, tuple) else list(first)
+        merged = [_in_key_order(routes, n, {s: part[name] for s, part in parts.items()}) for name in names]
+        return tuple(merged) if isinstance(first, tuple) else dict(zip(names, merged))
+    out = np.empty((n,) + first.shape[1:], first.dtype)
+    for s, pos in routes:
+        out[pos] = parts[s]
+    return out
+
+
 def _merge_lookups(config: TableConfig, n: int, routes: list[tuple[int, np.ndarray | None]],
                    results: dict[int, Any]):
     """Per-shard lookup results back in the caller's key order."""
-    if routes and routes[0][1] is None:
-        return _owned(results[routes[0][0]])
-    found = np.empty(n, dtype=bool)  # no routes (no keys, several shards): empty arrays
-    if isinstance(config, EmbeddingTableConfig):
-        values = np.empty((n, config.dim), np.float32)
-        for s, pos in routes:
-            values[pos], found[pos] = results[s]
-        return values, found
-    values = {field: np.empty((n, width), np.dtype(dtype)) for field, dtype, width in config.schema}
-    for s, pos in routes:
-        shard_values, found[pos] = results[s]
-        for field in values:
-            values[field][pos] = shard_values[field]
-    return values, found
+    if routes:
+        return _in_key_order(routes, n, results)
+    if isinstance(config, EmbeddingTableConfig):  # no keys, several shards: empty arrays
+        return np.empty((0, config.dim), np.float32), np.empty(0, bool)
+    return {field: np.empty((0, width), np.dtype(dtype)) for field, dtype, width in config.schema}, np.empty(0, bool)
 
 
 class KnowledgeBank:
@@ -174,7 +182,6 @@ class KnowledgeBank:
         :meth:`recover` stays within the same placement. By default shards stay off accelerator
         workers when there are others.
     """
-
 
     def __init__(self, client: Any = None, num_shards: int = 1, *,
                  clock: Callable[[], float] | None = None, direct: bool = True,
@@ -462,14 +469,7 @@ class KnowledgeBank:
         if not routes:  # no keys, several shards: ask one shard for empty columns
             routes, sent = [(0, None)], {0: keys}
         results = self._shards.call("row_metadata", {s: (table, sent[s]) for s in sent}, sent)
-        if routes[0][1] is None:
-            return _owned(results[0])
-        out = {name: np.empty(len(keys), dtype=array.dtype)
-               for name, array in results[routes[0][0]].items()}
-        for s, pos in routes:
-            for name, array in results[s].items():
-                out[name][pos] = array
-        return out
+        return _in_key_order(routes, len(keys), results)
 
     def stats(self) -> dict[str, Any]:
         """Per table, summed over shards: rows (and ``rows_per_shard``), ``pending_gradients``,
@@ -685,8 +685,9 @@ class KnowledgeBank:
             report = {}
             for shard in lost:
                 start = time.perf_counter()
-                worker, restored = self._shards.rebuild(shard, lost, lambda actor: snapshots.restore_shard(
-                    actor, shard, configs, location, manifest, wal_directory))
+                fill = functools.partial(snapshots.restore_shard, shard=shard, configs=configs,
+                                         location=location, manifest=manifest, wal_directory=wal_directory)
+                worker, restored = self._shards.rebuild(shard, lost, fill)
                 report[shard] = {"worker": worker, "snapshot": location.url, **restored,
                                  "seconds": time.perf_counter() - start}
             if self._wal_directory is not None and wal_directory is None:
@@ -733,7 +734,6 @@ class KnowledgeBank:
         return (f"<b>KnowledgeBank</b> {self.num_shards} shard(s), "
                 f"{'distributed' if self.distributed else 'in-process'}"
                 f"<table><tr><th>table</th><th>kind</th><th>dim / fields</th></tr>{rows}</table>")
-
 
 
 def _unpickled(shards: ShardSet, tables: dict[str, TableConfig]) -> KnowledgeBank:

@@ -201,11 +201,6 @@ class _Shard:
         with self._lock:
             self._start_wal(None, None)
 
-    def write_ahead_log_records(self) -> int:
-        """Records appended to the current segment (0 without a log)."""
-        with self._lock:
-            return 0 if self._wal is None else self._wal.records
-
     def import_snapshot(self, url: str, plan: list[tuple[str, list[dict], dict | None, bool]]) -> None:
         """Load snapshot parts into this shard's (empty, created) tables. ``plan``: per table
         (name, parts, counters to add or None, same_layout): with ``same_layout`` the one part is
