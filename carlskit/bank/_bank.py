@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -34,7 +33,6 @@ from carlskit.bank._hashing import key_from_string
 from carlskit.bank._nearest import METRICS, top_k
 from carlskit.bank._snapshot import Location, SnapshotSeries, read_manifest
 from carlskit.bank._transport import BankFuture, ShardLostError, ShardSet
-from carlskit.bank._wal import truncate_before
 from carlskit.cluster._placement import Placement
 
 __all__ = ["KnowledgeBank", "BankFuture", "ShardLostError"]
@@ -203,11 +201,7 @@ class KnowledgeBank:
         self._shards = _shards
         self._shards.owner = weakref.ref(self)  # named by the ShardLostErrors it raises
         self._configs: dict[str, TableConfig] = dict(_tables or {})
-        self._series: SnapshotSeries | None = None
-        self._wal_directory: str | None = None
-        self._snapshot_lock = threading.RLock()
-        self._snapshotter: Any = None
-        self._snapshotter_stop: Any = None
+        self._snapshots = snapshots.BankSnapshots()
 
     # ------------------------------------------------------------------ shards
     @property
@@ -505,7 +499,7 @@ class KnowledgeBank:
         tables = [{"table": name, "rows": t["rows"], "rows_per_shard": t["rows_per_shard"],
                    "pending_gradients": t["pending_gradients"], "min_version": t["min_version"],
                    "max_version": t["max_version"]} for name, t in stats["tables"].items()]
-        snapshots = None if self._snapshotter is None else self._snapshotter.status()
+        snapshots = self._snapshots.status()
         return {"shards": self.num_shards, "transport": self.transport, "tables": tables,
                 "shard_workers": [{"shard": i, "worker": worker} for i, worker in enumerate(self._shards.workers)],
                 "placement": str(self._shards.placement), "snapshots": snapshots}
@@ -586,68 +580,30 @@ class KnowledgeBank:
         if write_ahead_log and not series.location.local:
             raise ValueError(f"write_ahead_log needs a local or mounted shared directory (the "
                              f"shards append to files there), got {series.location.url!r}")
-        self._stop_snapshotter()
-        with self._snapshot_lock:
-            if self._wal_directory is not None and not write_ahead_log:
-                self._shards.call_all("stop_write_ahead_log")
-            self._series = series
-            self._wal_directory = series.wal_directory if write_ahead_log else None
+        self._snapshots.stop()
+        with self._snapshots.lock:  # the first snapshot is there before a recover() can look
+            self._snapshots.use(self._shards, series, write_ahead_log)
             path = self.snapshot()
         if every_seconds is not None or every_versions is not None:
-            from carlskit.cluster._supervised import LongRunningTasks, ThreadStopFlag
-
-            self._snapshotter_stop = ThreadStopFlag()
-            self._snapshotter = LongRunningTasks(None, "carlskit-bank-snapshots",
-                                                 piece="snapshotter")
-            self._snapshotter.launch("snapshots", self._snapshot_loop, lambda: (
-                self._snapshotter_stop, every_seconds, every_versions, poll_seconds))
+            self._snapshots.start(self.snapshot, lambda: max(self._shards.call_all("max_version")),
+                                  every_seconds, every_versions, poll_seconds)
         return path
 
     def snapshot(self) -> str:
         """Take a snapshot into the directory of :meth:`enable_snapshots` now; its path. Older
         ones beyond ``keep`` (and write-ahead log segments they no longer need) are removed."""
-        if self._series is None:
-            raise ValueError("snapshot() needs a snapshot directory: call enable_snapshots(directory)")
-        with self._snapshot_lock:
-            number, path = self._series.next_path()
-            manifest = snapshots.save(self._shards, self._all_configs(), Location(path),
-                                      self._wal_directory)
-            if self._wal_directory is not None:
-                for shard, segment in enumerate(manifest["write_ahead_log"]):
-                    truncate_before(self._wal_directory, shard, segment)
-            self._series.prune(number)
-            return path
+        return self._snapshots.take(self._shards, self._all_configs())
 
     def latest_snapshot(self) -> str | None:
         """The newest intact snapshot of :meth:`enable_snapshots`' directory (None if none)."""
-        return None if self._series is None else self._series.latest()
-
-    def _snapshot_loop(self, stop: Any, every_seconds: float | None, every_versions: int | None,
-                       poll_seconds: float) -> None:
-        last_time = time.monotonic()
-        last_version = max(self._shards.call_all("max_version"))
-        while not stop.is_set():
-            time.sleep(poll_seconds)
-            due = every_seconds is not None and time.monotonic() - last_time >= every_seconds
-            version = None
-            if not due and every_versions is not None:
-                version = max(self._shards.call_all("max_version"))
-                due = version >= last_version + every_versions
-            if due and not stop.is_set():
-                version = max(self._shards.call_all("max_version")) if version is None else version
-                self.snapshot()
-                last_time, last_version = time.monotonic(), version
-
-    def _stop_snapshotter(self) -> None:
-        if self._snapshotter is not None:
-            self._snapshotter.stop(self._snapshotter_stop, timeout=60)
-            self._snapshotter = None
+        series = self._snapshots.series
+        return None if series is None else series.latest()
 
     @property
     def recoverable(self) -> bool:
         """Whether :meth:`recover` can rebuild a lost shard by itself: a distributed bank that
         created its shards and keeps snapshots (:meth:`enable_snapshots`)."""
-        return self._shards.remote and self._shards.owned and self._series is not None
+        return self._shards.remote and self._shards.owned and self._snapshots.series is not None
 
     def lost_shards(self) -> list[int]:
         """Shards whose actor or worker is gone (each checked by its actor's state, then a ping)."""
@@ -677,9 +633,9 @@ class KnowledgeBank:
         lost = self._shards.lost()
         if not lost:
             return {}
-        with self._snapshot_lock:
+        with self._snapshots.lock:
             location, manifest, wal_directory = snapshots.recovery_source(
-                self._series, self._wal_directory, snapshot, lost, self.num_shards)
+                self._snapshots.series, self._snapshots.wal_directory, snapshot, lost, self.num_shards)
             live = [i for i in range(self.num_shards) if i not in lost]
             configs = self._all_configs(live[0]) if live else dict(self._configs)
             report = {}
@@ -690,7 +646,7 @@ class KnowledgeBank:
                 worker, restored = self._shards.rebuild(shard, lost, fill)
                 report[shard] = {"worker": worker, "snapshot": location.url, **restored,
                                  "seconds": time.perf_counter() - start}
-            if self._wal_directory is not None and wal_directory is None:
+            if self._snapshots.wal_directory is not None and wal_directory is None:
                 # the rebuilt shard does not continue the log it was not replayed from: a fresh
                 # snapshot is the base every shard's log starts from again
                 self.snapshot()
@@ -714,8 +670,8 @@ class KnowledgeBank:
     def close(self) -> None:
         """Release the shard actors (distributed) or drop the in-process shards. A shard's
         direct server stops with its actor, once no bank (or published dataset) holds it."""
-        self._stop_snapshotter()
-        if self._wal_directory is not None and self._shards:
+        self._snapshots.stop()
+        if self._snapshots.wal_directory is not None and self._shards:
             # Closing must release every shard even when one is lost (its log file stays as it
             # was, which recover() would replay) or the bank is already closed (ValueError).
             with contextlib.suppress(ShardLostError, ValueError):

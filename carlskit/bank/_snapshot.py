@@ -39,6 +39,7 @@ import hashlib
 import io
 import os
 import re
+import threading
 import time
 import uuid
 from typing import Any, Callable, Iterator
@@ -52,6 +53,7 @@ from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json
 from carlskit.bank._config import EmbeddingTableConfig, TableConfig
 from carlskit.bank._hashmap import BUCKET
+from carlskit.bank._wal import truncate_before
 
 SNAPSHOT_FORMAT = "carlskit.KnowledgeBank"
 SNAPSHOT_VERSION = 2
@@ -561,3 +563,83 @@ def restore_shard(actor: Any, shard: int, configs: dict[str, TableConfig], locat
                                                 manifest["write_ahead_log"][shard]).result()
     rows = {name: table["rows"] for name, table in actor.stats().result().items()}
     return {"rows": rows, "replayed_calls": replayed}
+
+
+class BankSnapshots:
+    """The snapshots a bank keeps of itself (``KnowledgeBank.enable_snapshots``): the numbered
+    ``series`` (None until enabled), the write-ahead log directory (None: no log), the ``lock``
+    that orders snapshots with recovery, and the supervised thread taking them automatically."""
+
+    def __init__(self) -> None:
+        self.series: SnapshotSeries | None = None
+        self.wal_directory: str | None = None
+        self.lock = threading.RLock()
+        self._thread: Any = None
+        self._stop: Any = None
+
+    def use(self, shards: Any, series: SnapshotSeries, write_ahead_log: bool) -> None:
+        """Keep snapshots in ``series`` from now on (the shards' log in its ``wal`` directory when
+        ``write_ahead_log``; a log switched off is stopped on every shard)."""
+        with self.lock:
+            if self.wal_directory is not None and not write_ahead_log:
+                shards.call_all("stop_write_ahead_log")
+            self.series = series
+            self.wal_directory = series.wal_directory if write_ahead_log else None
+
+    def take(self, shards: Any, configs: dict[str, TableConfig]) -> str:
+        """Save the next snapshot of the series (every shard's log starts a new segment there);
+        prune the ones beyond ``keep`` and the log segments they no longer need. Its path."""
+        if self.series is None:
+            raise ValueError("snapshot() needs a snapshot directory: call enable_snapshots(directory)")
+        with self.lock:
+            number, path = self.series.next_path()
+            manifest = save(shards, configs, Location(path), self.wal_directory)
+            if self.wal_directory is not None:
+                for shard, segment in enumerate(manifest["write_ahead_log"]):
+                    truncate_before(self.wal_directory, shard, segment)
+            self.series.prune(number)
+            return path
+
+    def start(self, take: Callable[[], Any], max_version: Callable[[], int],
+              every_seconds: float | None, every_versions: int | None, poll_seconds: float) -> None:
+        """Call ``take()`` every ``every_seconds`` and/or once ``max_version()`` grew by
+        ``every_versions``, checked every ``poll_seconds`` by a supervised thread (a failed
+        snapshot is retried with backoff; see :meth:`status`)."""
+        from carlskit.cluster._supervised import LongRunningTasks, ThreadStopFlag
+
+        self._stop = ThreadStopFlag()
+        self._thread = LongRunningTasks(None, "carlskit-bank-snapshots", piece="snapshotter")
+        self._thread.launch("snapshots", _take_when_due, lambda: (
+            self._stop, take, max_version, every_seconds, every_versions, poll_seconds))
+
+    def stop(self) -> None:
+        """Stop the automatic snapshots (if running) and wait for the thread."""
+        if self._thread is not None:
+            self._thread.stop(self._stop, timeout=60)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def status(self) -> dict | None:
+        """The automatic snapshots' state (None when off)."""
+        return None if self._thread is None else self._thread.status()
+
+
+def _take_when_due(stop: Any, take: Callable[[], Any], max_version: Callable[[], int],
+                   every_seconds: float | None, every_versions: int | None,
+                   poll_seconds: float) -> None:
+    last_time = time.monotonic()
+    last_version = max_version()
+    while not stop.is_set():
+        time.sleep(poll_seconds)
+        due = every_seconds is not None and time.monotonic() - last_time >= every_seconds
+        version = None
+        if not due and every_versions is not None:
+            version = max_version()
+            due = version >= last_version + every_versions
+        if due and not stop.is_set():
+            version = max_version() if version is None else version
+            take()
+            last_time, last_version = time.monotonic(), version

@@ -27,7 +27,7 @@ def rebuilt_shard(bank: KnowledgeBank, shard: int, clock) -> _Shard:
     for name, config in bank._all_configs().items():
         fresh.create_table(name, config)
     fresh.import_snapshot(path, import_plan(manifest, shard, bank.num_shards))
-    fresh.replay_write_ahead_log(bank._wal_directory, manifest["write_ahead_log"][shard])
+    fresh.replay_write_ahead_log(bank._snapshots.wal_directory, manifest["write_ahead_log"][shard])
     return fresh
 
 
@@ -83,7 +83,7 @@ def test_write_ahead_log_is_truncated_at_each_snapshot_and_checksummed(tmp_path)
     bank = KnowledgeBank(num_shards=1)
     bank.create_table("emb", dim=DIM)
     bank.enable_snapshots(tmp_path / "snaps", write_ahead_log=True, keep=2)
-    wal = bank._wal_directory
+    wal = bank._snapshots.wal_directory
     bank.update("emb", [1, 2], np.ones((2, DIM)))
     bank.snapshot()
     bank.update("emb", [3], np.ones((1, DIM)))
@@ -129,7 +129,7 @@ def test_automatic_snapshots_every_versions_keep_the_newest(tmp_path):
     assert names()[-1] == os.path.basename(bank.latest_snapshot())
     assert bank.status()["snapshots"]["snapshots"]["state"] == "running"
     bank.close()
-    assert bank._snapshotter is None
+    assert not bank._snapshots.running
 
 
 def test_automatic_snapshots_every_seconds(tmp_path):
