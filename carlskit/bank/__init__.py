@@ -24,8 +24,9 @@ Layout: :class:`KnowledgeBank` (``_bank``) is a facade that validates every call
   actors), routing keys to shards, submitting one call per shard and collecting the answers (direct
   ZeroMQ path of ``_direct`` or Dask's actor RPC), lost shards recognised by type
   (:mod:`carlskit.cluster._loss`) as :class:`ShardLostError`, and a lost shard started again;
-- ``_snapshot``: the snapshot format, save, load, manifest validation and where a lost shard is
-  rebuilt from (its write-ahead log in ``_wal``);
+- ``_snapshot``: the snapshot format, save, load, manifest validation, where a lost shard is
+  rebuilt from (its write-ahead log in ``_wal``) and the bank's automatic snapshots
+  (``BankSnapshots``);
 - ``_shard`` / ``_tables``: one shard and its tables (numpy columns, ``_hashmap``, ``_lazy``
   gradients, ``_nearest`` search).
 """
