@@ -33,7 +33,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from carlskit.bank import KnowledgeBank  # noqa: E402
-from carlskit.bank._bank import _bank_from_actors  # noqa: E402
 
 DIM = 64
 BATCH = 4096
@@ -191,7 +190,7 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         echoes = [client.submit(EchoShard, DIM, BATCH, actor=True, workers=[worker],
                                 pure=False).result() for worker in kb.shard_workers]
         # the same shards reached through Dask's actor RPC only (the transport before the direct path)
-        kb_dask = _bank_from_actors(kb._shards, kb.shard_workers, kb.tables, direct=None)
+        kb_dask = KnowledgeBank(_shards=kb._shards.with_direct(None))
         assert kb.transport == "direct" and kb_dask.transport == "dask", kb.transport
         half = BATCH // 2
         print(f"distributed: filled {num_rows} rows on 2 workers", flush=True)
@@ -220,13 +219,13 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         }
         wal_directory = tempfile.mkdtemp(prefix="carlskit-kb-bench-wal-")
         kb.enable_snapshots(wal_directory, write_ahead_log=True, keep=1)
-        kb._call_all("stop_write_ahead_log")
+        kb._shards.call_all("stop_write_ahead_log")
 
         def wal_on():  # a snapshot starts a new log segment (the only way the log may start)
             kb.snapshot()
 
         def wal_off():
-            kb._call_all("stop_write_ahead_log")
+            kb._shards.call_all("stop_write_ahead_log")
         for submit, in_flight in variants.values():  # warm-up
             seconds_for(submit, batches[:in_flight], in_flight)
         # The variants take turns on short slices of the batches, so that every variant sees the

@@ -15,11 +15,26 @@ gradients sent with ``apply_gradients`` are cached until the key is looked up, u
 
 Gradients from every sender (processes, Dask tasks) are cached and counted; ``update`` of a key
 discards its cached gradients. See :func:`combine_gradients` for the pure, vectorized rule.
+
+Layout: :class:`KnowledgeBank` (``_bank``) is a facade that validates every call, then delegates:
+
+- ``_config``: the table options, frozen typed dataclasses (``EmbeddingTableConfig``,
+  ``FeatureTableConfig``), each option defined once with its check, with ``to_json``/``from_json``;
+- ``_transport``: the shard set (``ShardSet``): where the shards live (in-process objects or Dask
+  actors), routing keys to shards, submitting one call per shard and collecting the answers (direct
+  ZeroMQ path of ``_direct`` or Dask's actor RPC), lost shards recognised by type
+  (:mod:`carlskit.cluster._loss`) as :class:`ShardLostError`, and a lost shard started again;
+- ``_snapshot``: the snapshot format, save, load, manifest validation, where a lost shard is
+  rebuilt from (its write-ahead log in ``_wal``) and the bank's automatic snapshots
+  (``BankSnapshots``);
+- ``_shard`` / ``_tables``: one shard and its tables (numpy columns, ``_hashmap``, ``_lazy``
+  gradients, ``_nearest`` search).
 """
 
-from carlskit.bank._bank import BankFuture, KnowledgeBank, ShardLostError
+from carlskit.bank._bank import KnowledgeBank
 from carlskit.bank._hashing import key_from_string
 from carlskit.bank._lazy import CombinedGradients, adagrad_step, combine_gradients, sgd_step
+from carlskit.bank._transport import BankFuture, ShardLostError
 
 __all__ = ["KnowledgeBank", "BankFuture", "ShardLostError", "key_from_string", "combine_gradients",
            "CombinedGradients", "sgd_step", "adagrad_step"]

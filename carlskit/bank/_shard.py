@@ -14,6 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from carlskit.bank._config import EmbeddingTableConfig, TableConfig
 from carlskit.bank._snapshot import Location, PartReader, part_file_name, write_part
 from carlskit.bank._tables import EmbeddingTable, FeatureTable, RowStore
 from carlskit.bank._wal import WriteAheadLog, records_since
@@ -113,14 +114,14 @@ class _Shard:
         server = self._direct_server
         return server is not None and server.serving and server.token.hex() == token
 
-    def create_table(self, name: str, config: dict[str, Any], capacity: int = 1024) -> None:
+    def create_table(self, name: str, config: TableConfig, capacity: int = 1024) -> None:
         with self._lock:
             if name in self._tables:
                 raise ValueError(f"table {name!r} already exists on shard {self.shard_index}")
-            kind = EmbeddingTable if config["kind"] == "embedding" else FeatureTable
+            kind = EmbeddingTable if isinstance(config, EmbeddingTableConfig) else FeatureTable
             self._tables[name] = kind(config, capacity)
 
-    def table_configs(self) -> dict[str, dict[str, Any]]:
+    def table_configs(self) -> dict[str, TableConfig]:
         with self._lock:
             return {name: table.config for name, table in self._tables.items()}
 
@@ -199,11 +200,6 @@ class _Shard:
     def stop_write_ahead_log(self) -> None:
         with self._lock:
             self._start_wal(None, None)
-
-    def write_ahead_log_records(self) -> int:
-        """Records appended to the current segment (0 without a log)."""
-        with self._lock:
-            return 0 if self._wal is None else self._wal.records
 
     def import_snapshot(self, url: str, plan: list[tuple[str, list[dict], dict | None, bool]]) -> None:
         """Load snapshot parts into this shard's (empty, created) tables. ``plan``: per table

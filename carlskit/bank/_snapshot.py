@@ -39,6 +39,8 @@ import hashlib
 import io
 import os
 import re
+import threading
+import time
 import uuid
 from typing import Any, Callable, Iterator
 
@@ -49,6 +51,9 @@ import numpy as np
 from carlskit._checks import integer
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json
+from carlskit.bank._config import EmbeddingTableConfig, TableConfig
+from carlskit.bank._hashmap import BUCKET
+from carlskit.bank._wal import truncate_before
 
 SNAPSHOT_FORMAT = "carlskit.KnowledgeBank"
 SNAPSHOT_VERSION = 2
@@ -244,34 +249,32 @@ class PartReader:
 
 
 # ----------------------------------------------------------------------------- manifest
-def expected_layout(config: dict[str, Any], rows: int, pending: int,
+def expected_layout(config: TableConfig, rows: int, pending: int,
                     row_map_buckets: int) -> list[tuple[str, np.dtype, tuple[int, ...]]]:
     """The columns of a part of a table with ``config``, in file order: keys first (re-routing
     reads them before anything else), then metadata, data, pending gradients, the hash map."""
     columns = [("keys", np.dtype(np.int64), (rows,)), ("version", np.dtype(np.int64), (rows,)),
                ("last_write_time", np.dtype(np.float64), (rows,)),
                ("lookup_count", np.dtype(np.int64), (rows,))]
-    if config["kind"] == "embedding":
-        dim = config["dim"]
+    if isinstance(config, EmbeddingTableConfig):
+        dim = config.dim
         columns += [("values", np.dtype(np.float32), (rows, dim)),
                     ("norms", np.dtype(np.float32), (rows,))]
-        if config["optimizer"] == "adagrad":
+        if config.optimizer == "adagrad":
             columns.append(("accumulator", np.dtype(np.float32), (rows, dim)))
         columns += [("pending_keys", np.dtype(np.int64), (pending,)),
                     ("pending_gradients", np.dtype(np.float32), (pending, dim)),
                     ("pending_times", np.dtype(np.float64), (pending,))]
     else:
-        for field, (dtype, width) in sorted(config["schema"].items()):  # as the manifest sorts them
+        for field, dtype, width in sorted(config.schema):  # as the manifest sorts them
             columns.append(("field:" + field, np.dtype(dtype), (rows, width)))
-    from carlskit.bank._hashmap import BUCKET
-
     columns += [("row_map_keys", np.dtype(np.int64), (row_map_buckets, BUCKET)),
                 ("row_map_rows", np.dtype(np.int32), (row_map_buckets, BUCKET)),
                 ("row_map_fill", np.dtype(np.int16), (row_map_buckets,))]
     return columns
 
 
-def check_part(part: Any, config: dict[str, Any], shard: int, where: str) -> dict:
+def check_part(part: Any, config: TableConfig, shard: int, where: str) -> dict:
     """``part`` (a manifest entry) checked against the table's config; CorruptFileError naming
     ``where`` (the manifest) otherwise."""
     def bad(problem: str) -> CorruptFileError:
@@ -317,8 +320,6 @@ def read_manifest(location: Location) -> dict:
     """The checked manifest of the snapshot at ``location``. FileNotFoundError when there is no
     snapshot; CorruptFileError naming the file for an interrupted save, a damaged or inconsistent
     manifest, a missing part or one of the wrong size."""
-    from carlskit.bank._bank import _checked_table_config  # the one checker of table configs
-
     names = location.names()
     where = location.file(MANIFEST)
     if MANIFEST not in names:
@@ -342,39 +343,46 @@ def read_manifest(location: Location) -> dict:
     tables = content.get("tables")
     if not isinstance(tables, list):
         raise CorruptFileError(where, "'tables' must be a list")
-    seen = set()
+    seen: set[str] = set()
     for number, entry in enumerate(tables):
-        if not isinstance(entry, dict) or not {"name", "config", "parts"} <= set(entry):
-            raise CorruptFileError(where, f"table {number} must be a dict with name, config, parts")
-        name = entry["name"]
-        if not isinstance(name, str) or not name or name in seen:
-            raise CorruptFileError(where, f"table {number}: name must be a new non-empty str, "
-                                          f"got {name!r} (names repeat?)")
-        seen.add(name)
-        try:
-            entry["config"] = _checked_table_config(entry["config"])
-        except (TypeError, ValueError) as error:
-            raise CorruptFileError(where, f"table {name!r}: bad table config ({error})") from error
-        parts = entry["parts"]
-        if not isinstance(parts, list) or len(parts) != num_shards:
-            raise CorruptFileError(where, f"table {name!r}: needs one part per shard "
-                                          f"({num_shards})")
-        for shard, part in enumerate(parts):
-            check_part(part, entry["config"], shard, where)
-            if not part["file"].startswith(f"t{number:03d}-s{shard:05d}-"):
-                raise CorruptFileError(where, f"table {name!r} shard {shard}: file "
-                                              f"{part['file']!r} is another table's or shard's")
-            if part["file"] not in names:
-                raise CorruptFileError(location.file(part["file"]), "part file is missing")
-            size = location.fs.size(location.file(part["file"]))
-            if size != part["bytes"]:
-                raise CorruptFileError(location.file(part["file"]),
-                                       f"{size} bytes, its manifest records {part['bytes']}")
+        _check_table_entry(entry, number, num_shards, seen, location, names)
     wal = content.get("write_ahead_log")
     if wal is not None and not (isinstance(wal, list) and len(wal) == num_shards and all(
             isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in wal)):
         raise CorruptFileError(where, "write_ahead_log must be null or one segment per shard")
     return content
+
+
+def _check_table_entry(entry: Any, number: int, num_shards: int, seen: set[str],
+                       location: Location, names: list[str]) -> None:
+    """Check table ``number`` of a manifest (its config becomes a :class:`TableConfig`) and its
+    parts' files (present, of the recorded size); CorruptFileError naming the file otherwise."""
+    where = location.file(MANIFEST)
+    if not isinstance(entry, dict) or not {"name", "config", "parts"} <= set(entry):
+        raise CorruptFileError(where, f"table {number} must be a dict with name, config, parts")
+    name = entry["name"]
+    if not isinstance(name, str) or not name or name in seen:
+        raise CorruptFileError(where, f"table {number}: name must be a new non-empty str, "
+                                      f"got {name!r} (names repeat?)")
+    seen.add(name)
+    try:
+        entry["config"] = TableConfig.from_json(entry["config"])
+    except (TypeError, ValueError) as error:
+        raise CorruptFileError(where, f"table {name!r}: bad table config ({error})") from error
+    parts = entry["parts"]
+    if not isinstance(parts, list) or len(parts) != num_shards:
+        raise CorruptFileError(where, f"table {name!r}: needs one part per shard ({num_shards})")
+    for shard, part in enumerate(parts):
+        check_part(part, entry["config"], shard, where)
+        if not part["file"].startswith(f"t{number:03d}-s{shard:05d}-"):
+            raise CorruptFileError(where, f"table {name!r} shard {shard}: file "
+                                          f"{part['file']!r} is another table's or shard's")
+        if part["file"] not in names:
+            raise CorruptFileError(location.file(part["file"]), "part file is missing")
+        size = location.fs.size(location.file(part["file"]))
+        if size != part["bytes"]:
+            raise CorruptFileError(location.file(part["file"]),
+                                   f"{size} bytes, its manifest records {part['bytes']}")
 
 
 def write_manifest(location: Location, content: dict) -> None:
@@ -463,3 +471,175 @@ def run_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
         return [calls[0]()]
     with concurrent.futures.ThreadPoolExecutor(len(calls)) as pool:
         return [future.result() for future in [pool.submit(call) for call in calls]]
+
+
+# ----------------------------------------------------------------------------- a bank's snapshots
+def save(shards: Any, configs: dict[str, TableConfig], location: Location,
+         wal_directory: str | None = None) -> dict:
+    """Save the tables ``configs`` of ``shards`` (a bank's :class:`~carlskit.bank._transport.ShardSet`)
+    to ``location``: every shard writes its parts, then the manifest is written (the commit
+    point). With ``wal_directory``, every shard starts a new write-ahead log segment at its part.
+    Returns the manifest."""
+    check_save_target(location)
+    names = sorted(configs)
+    save_id = new_save_id()
+    written = shards.call_parallel("write_snapshot_parts", {
+        i: (location.url, save_id, names, wal_directory) for i in range(len(shards))})
+    tables = []
+    for name in names:
+        parts = [written[i]["parts"][name] for i in range(len(shards))]
+        tables.append({"name": name, "config": configs[name].to_json(),
+                       "rows": sum(part["rows"] for part in parts),
+                       "counters": _summed_counters(parts), "parts": parts})
+    manifest = {"format": SNAPSHOT_FORMAT, "version": SNAPSHOT_VERSION, "saved_at": time.time(),
+                "num_shards": len(shards), "save_id": save_id, "tables": tables,
+                "write_ahead_log": (None if wal_directory is None else
+                                    [written[i]["wal_segment"] for i in range(len(shards))])}
+    write_manifest(location, manifest)  # the commit point
+    return manifest
+
+
+def _summed_counters(parts: list[dict]) -> dict[str, int]:
+    counters: dict[str, int] = {}
+    for part in parts:
+        for key, value in part["counters"].items():
+            counters[key] = counters.get(key, 0) + int(value)
+    return counters
+
+
+def import_plan(manifest: dict, shard: int, num_shards: int) -> list:
+    """What shard ``shard`` of ``num_shards`` reads from a snapshot: per table (name, parts,
+    counters, same_layout). Same shard count: its own part and counters; another: every part
+    (streamed, its rows kept), the summed counters on shard 0."""
+    if manifest["num_shards"] == num_shards:
+        return [(entry["name"], [entry["parts"][shard]], entry["parts"][shard]["counters"], True)
+                for entry in manifest["tables"]]
+    return [(entry["name"], entry["parts"], _summed_counters(entry["parts"]) if shard == 0 else None,
+             False) for entry in manifest["tables"]]
+
+
+def load(shards: Any, manifest: dict, location: Location) -> None:
+    """Fill the (empty) tables of ``shards`` from the snapshot at ``location``: each shard reads
+    its own part, or streams every part keeping its rows (another shard count)."""
+    shards.call_parallel("import_snapshot", {
+        s: (location.url, import_plan(manifest, s, len(shards))) for s in range(len(shards))})
+
+
+def recovery_source(series: "SnapshotSeries | None", wal_directory: str | None,
+                    snapshot: str | os.PathLike | None, lost: list[int],
+                    num_shards: int) -> tuple[Location, dict, str | None]:
+    """Where lost shards are rebuilt from: (snapshot location, its checked manifest, the
+    write-ahead log directory to replay or None). ``snapshot`` None: the newest intact one of
+    ``series`` (and the log, if the bank keeps one and that snapshot started a segment)."""
+    if snapshot is None:
+        path = None if series is None else series.latest()
+        if path is None:
+            raise ValueError(f"shards {lost} are lost and there is no snapshot to rebuild "
+                             f"them from: call enable_snapshots(directory) before a loss "
+                             f"(or pass snapshot=<path>)")
+    else:
+        path, wal_directory = os.fspath(snapshot), None
+    location = Location(path)
+    manifest = read_manifest(location)
+    if manifest["num_shards"] != num_shards:
+        raise ValueError(f"snapshot {location.url!r} has {manifest['num_shards']} shards, "
+                         f"this bank {num_shards}: recover() rebuilds a shard from its own part")
+    if manifest["write_ahead_log"] is None:
+        wal_directory = None
+    return location, manifest, wal_directory
+
+
+def restore_shard(actor: Any, shard: int, configs: dict[str, TableConfig], location: Location,
+                  manifest: dict, wal_directory: str | None) -> dict[str, Any]:
+    """Fill the new, empty actor of lost shard ``shard`` from its part of the snapshot, then replay
+    its write-ahead log since that snapshot (``wal_directory``). Returns its rows per table and the
+    number of calls replayed."""
+    for name, config in configs.items():
+        actor.create_table(name, config, 1024).result()
+    actor.import_snapshot(location.url, import_plan(manifest, shard, manifest["num_shards"])).result()
+    replayed = 0
+    if wal_directory is not None:
+        replayed = actor.replay_write_ahead_log(wal_directory,
+                                                manifest["write_ahead_log"][shard]).result()
+    rows = {name: table["rows"] for name, table in actor.stats().result().items()}
+    return {"rows": rows, "replayed_calls": replayed}
+
+
+class BankSnapshots:
+    """The snapshots a bank keeps of itself (``KnowledgeBank.enable_snapshots``): the numbered
+    ``series`` (None until enabled), the write-ahead log directory (None: no log), the ``lock``
+    that orders snapshots with recovery, and the supervised thread taking them automatically."""
+
+    def __init__(self) -> None:
+        self.series: SnapshotSeries | None = None
+        self.wal_directory: str | None = None
+        self.lock = threading.RLock()
+        self._thread: Any = None
+        self._stop: Any = None
+
+    def use(self, shards: Any, series: SnapshotSeries, write_ahead_log: bool) -> None:
+        """Keep snapshots in ``series`` from now on (the shards' log in its ``wal`` directory when
+        ``write_ahead_log``; a log switched off is stopped on every shard)."""
+        with self.lock:
+            if self.wal_directory is not None and not write_ahead_log:
+                shards.call_all("stop_write_ahead_log")
+            self.series = series
+            self.wal_directory = series.wal_directory if write_ahead_log else None
+
+    def take(self, shards: Any, configs: dict[str, TableConfig]) -> str:
+        """Save the next snapshot of the series (every shard's log starts a new segment there);
+        prune the ones beyond ``keep`` and the log segments they no longer need. Its path."""
+        if self.series is None:
+            raise ValueError("snapshot() needs a snapshot directory: call enable_snapshots(directory)")
+        with self.lock:
+            number, path = self.series.next_path()
+            manifest = save(shards, configs, Location(path), self.wal_directory)
+            if self.wal_directory is not None:
+                for shard, segment in enumerate(manifest["write_ahead_log"]):
+                    truncate_before(self.wal_directory, shard, segment)
+            self.series.prune(number)
+            return path
+
+    def start(self, take: Callable[[], Any], max_version: Callable[[], int],
+              every_seconds: float | None, every_versions: int | None, poll_seconds: float) -> None:
+        """Call ``take()`` every ``every_seconds`` and/or once ``max_version()`` grew by
+        ``every_versions``, checked every ``poll_seconds`` by a supervised thread (a failed
+        snapshot is retried with backoff; see :meth:`status`)."""
+        from carlskit.cluster._supervised import LongRunningTasks, ThreadStopFlag
+
+        self._stop = ThreadStopFlag()
+        self._thread = LongRunningTasks(None, "carlskit-bank-snapshots", piece="snapshotter")
+        self._thread.launch("snapshots", _take_when_due, lambda: (
+            self._stop, take, max_version, every_seconds, every_versions, poll_seconds))
+
+    def stop(self) -> None:
+        """Stop the automatic snapshots (if running) and wait for the thread."""
+        if self._thread is not None:
+            self._thread.stop(self._stop, timeout=60)
+            self._thread = None
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def status(self) -> dict | None:
+        """The automatic snapshots' state (None when off)."""
+        return None if self._thread is None else self._thread.status()
+
+
+def _take_when_due(stop: Any, take: Callable[[], Any], max_version: Callable[[], int],
+                   every_seconds: float | None, every_versions: int | None,
+                   poll_seconds: float) -> None:
+    last_time = time.monotonic()
+    last_version = max_version()
+    while not stop.is_set():
+        time.sleep(poll_seconds)
+        due = every_seconds is not None and time.monotonic() - last_time >= every_seconds
+        version = None
+        if not due and every_versions is not None:
+            version = max_version()
+            due = version >= last_version + every_versions
+        if due and not stop.is_set():
+            version = max_version() if version is None else version
+            take()
+            last_time, last_version = time.monotonic(), version

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from carlskit._errors import CorruptFileError
+from carlskit.bank._config import EmbeddingTableConfig, FeatureTableConfig, TableConfig
 from carlskit.bank._hashing import initial_values, shard_of
 from carlskit.bank._hashmap import Int64RowMap
 from carlskit.bank._lazy import adagrad_step, combine_gradients, sgd_step
@@ -50,7 +51,7 @@ def new_counters() -> dict[str, int]:
 class RowStore:
     """Keys, per-row metadata (version, last write time, lookup count) and named data columns."""
 
-    def __init__(self, config: dict[str, Any], capacity: int = 1024) -> None:
+    def __init__(self, config: TableConfig, capacity: int = 1024) -> None:
         self.config = config
         self.num_rows = 0
         self.max_version = -1  # of any update so far (automatic snapshots every N versions)
@@ -350,31 +351,31 @@ class PendingGradients:
 class EmbeddingTable(RowStore):
     """Float32 [dim] rows with optimizer state, lazy gradients and nearest-neighbour search."""
 
-    def __init__(self, config: dict[str, Any], capacity: int = 1024) -> None:
+    def __init__(self, config: EmbeddingTableConfig, capacity: int = 1024) -> None:
         super().__init__(config, capacity)
-        dim = config["dim"]
+        dim = config.dim
         self.add_column("values", (dim,), np.float32)
         self.add_column("norms", (), np.float32)
         self.add_column("pending_head", (), np.int64)
         self.add_column("pending_count", (), np.int32)
-        if config["optimizer"] == "adagrad":
+        if config.optimizer == "adagrad":
             self.add_column("accumulator", (dim,), np.float32)
         self.pending = PendingGradients(dim)
         self.approximate = (
-            HNSWIndex(dim, config["index_metric"], config["hnsw_m"], config["hnsw_ef_search"])
-            if config["index"] == "hnsw" else None
+            HNSWIndex(dim, config.index_metric, config.hnsw_m, config.hnsw_ef_search)
+            if config.index == "hnsw" else None
         )
 
     # ----- storage
     def initialize_rows(self, rows: np.ndarray, keys: np.ndarray) -> None:
         c = self.config
-        values = initial_values(keys, c["dim"], c["initializer"], c["seed"], c["init_scale"])
+        values = initial_values(keys, c.dim, c.initializer, c.seed, c.init_scale)
         self.columns["values"][rows] = values
         self.columns["norms"][rows] = np.linalg.norm(values, axis=1)
         self.columns["pending_head"][rows] = -1
         self.columns["pending_count"][rows] = 0
         if "accumulator" in self.columns:
-            self.columns["accumulator"][rows] = c["initial_accumulator_value"]
+            self.columns["accumulator"][rows] = c.initial_accumulator_value
 
     def _write_values(self, rows: np.ndarray, values: np.ndarray, now: float) -> None:
         self.columns["values"][rows] = values
@@ -396,7 +397,7 @@ class EmbeddingTable(RowStore):
         """Flush keys whose oldest cached gradient is older than ``pending_ttl_seconds``; whether
         any was due."""
         if self.pending.live:
-            due = self.pending.due_rows(now - self.config["pending_ttl_seconds"])
+            due = self.pending.due_rows(now - self.config.pending_ttl_seconds)
             if len(due):
                 self.flush_rows(due, now)
                 return True
@@ -407,7 +408,7 @@ class EmbeddingTable(RowStore):
         gradients, groups = self.pending.take(rows, self._head, self._count)
         if len(groups) == 0:
             return
-        combined = combine_gradients(gradients, groups, len(rows), self.config["outlier_threshold"])
+        combined = combine_gradients(gradients, groups, len(rows), self.config.outlier_threshold)
         self.counters["dropped_nonfinite"] += combined.dropped_nonfinite
         self.counters["dropped_outliers"] += combined.dropped_outliers
         self.counters["gradients_applied"] += int(combined.count.sum())
@@ -416,12 +417,12 @@ class EmbeddingTable(RowStore):
             return
         target = rows[combined.group_index]
         c = self.config
-        if c["optimizer"] == "sgd":
-            new_values = sgd_step(self.values[target], combined.mean_gradient, c["learning_rate"])
+        if c.optimizer == "sgd":
+            new_values = sgd_step(self.values[target], combined.mean_gradient, c.learning_rate)
         else:
             new_values, self.columns["accumulator"][target] = adagrad_step(
                 self.values[target], self.accumulator[target], combined.mean_gradient,
-                c["learning_rate"], c["epsilon"])
+                c.learning_rate, c.epsilon)
         self._write_values(target, new_values, now)
 
     def flush_all(self, now: float) -> None:
@@ -443,7 +444,7 @@ class EmbeddingTable(RowStore):
         valid_rows = rows if all_present else rows[present]
         self._flush_pending_of(valid_rows, now)
         if self.num_rows == 0:
-            values = np.zeros((len(keys), self.config["dim"]), np.float32)
+            values = np.zeros((len(keys), self.config.dim), np.float32)
         else:
             values = self.values.take(rows if all_present else np.where(present, rows, 0), axis=0)
             if not all_present:
@@ -471,7 +472,7 @@ class EmbeddingTable(RowStore):
         self.pending.append(rows, gradients, np.full(len(rows), now), self._head, self._count)
         self.counters["apply_gradients_shard_calls"] += 1
         self.counters["gradients_received"] += len(rows)
-        full = rows[self.pending_count[rows] >= self.config["max_pending"]]
+        full = rows[self.pending_count[rows] >= self.config.max_pending]
         if len(full):
             self.flush_rows(np.unique(full), now)
 
@@ -529,9 +530,9 @@ class EmbeddingTable(RowStore):
 class FeatureTable(RowStore):
     """Fixed-width records: one column per schema field, e.g. neighbour ids and weights."""
 
-    def __init__(self, config: dict[str, Any], capacity: int = 1024) -> None:
+    def __init__(self, config: FeatureTableConfig, capacity: int = 1024) -> None:
         super().__init__(config, capacity)
-        for field, (dtype, width) in config["schema"].items():
+        for field, dtype, width in config.schema:
             self.add_column("field:" + field, (width,), np.dtype(dtype))
 
     def _fields(self):

@@ -80,7 +80,6 @@ class WriteAheadLog:
         self.segment = segment
         self.path = segment_path(self.directory, segment)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        self.records = 0
 
     @classmethod
     def next_segment(cls, wal_directory: str, shard: int) -> int:
@@ -97,7 +96,6 @@ class WriteAheadLog:
             crc = zlib.crc32(part, crc)
         size = sum(memoryview(p).nbytes for p in body)
         _write_all(self._fd, [_PREFIX.pack(_MAGIC, size, crc), *body])
-        self.records += 1
 
     def close(self) -> None:
         if self._fd >= 0:

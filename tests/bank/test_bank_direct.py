@@ -19,7 +19,6 @@ from carlskit.bank import (  # noqa: E402
     ShardLostError,
     _direct,  # noqa: E402
 )
-from carlskit.bank._bank import _bank_from_actors  # noqa: E402
 from carlskit.bank._direct import (  # noqa: E402
     DirectCall,
     DirectChannel,
@@ -110,7 +109,7 @@ def test_results_of_one_shard_are_the_callers_to_write(client):
 def test_a_request_without_the_token_is_refused_and_changes_nothing(client):
     kb = KnowledgeBank(client, num_shards=1)
     kb.create_table("emb", dim=DIM, initializer="zeros")
-    address = kb._direct.addresses[0]
+    address = kb._shards.direct.addresses[0]
     stranger = DirectChannel(address["endpoint"], "00" * 16)
     request = stranger.send("update", ("emb", np.arange(3), np.ones((3, DIM), np.float32), 9))
     with pytest.raises(PermissionError, match="token"):
@@ -142,7 +141,7 @@ def test_unawaited_calls_neither_pile_up_nor_lose_replies(client):
     assert kb.stats()["tables"]["emb"]["gradients_received"] == 4 * 4000
     del kept
     kb.lookup("emb", keys)  # a blocking call drains anything still queued
-    assert kb._direct._channel(0).pending_replies == 0
+    assert kb._shards.direct._channel(0).pending_replies == 0
     kb.close()
 
 
@@ -213,7 +212,7 @@ def test_servers_stop_with_the_bank(client):
     """A shard's server stops when its actor is released: by close(), or by dropping the bank."""
     for release in ("close", "drop"):
         kb = KnowledgeBank(client, num_shards=2)
-        addresses = kb._direct.addresses
+        addresses = kb._shards.direct.addresses
         assert servers_running(client, addresses) == 2
         if release == "close":
             kb.close()
@@ -250,7 +249,7 @@ def test_a_stopped_server_is_an_error_naming_the_shard_not_a_hang(client):
     kb.create_table("emb", dim=DIM)
     kb.lookup("emb", np.arange(5), insert_missing=True)
     client.run(stop_direct_servers, workers=[kb.shard_workers[0]])
-    wait_until(lambda: servers_running(client, kb._direct.addresses) == 0, seconds=30)
+    wait_until(lambda: servers_running(client, kb._shards.direct.addresses) == 0, seconds=30)
     with pytest.raises(ShardLostError, match="shard 0 of 1.*direct server has stopped"):
         kb.lookup("emb", np.arange(5))
     kb.close()
@@ -264,12 +263,11 @@ def test_an_unreachable_endpoint_falls_back_to_the_actor(client):
     with socket.socket() as unused:  # a port nobody listens on
         unused.bind(("127.0.0.1", 0))
         dead_end = f"tcp://127.0.0.1:{unused.getsockname()[1]}"
-    addresses = [dict(kb._direct.addresses[0]), kb._direct.addresses[1]]
+    addresses = [dict(kb._shards.direct.addresses[0]), kb._shards.direct.addresses[1]]
     addresses[0]["endpoint"] = dead_end  # as seen from behind NAT, say
-    behind_nat = _bank_from_actors(kb._shards, kb.shard_workers, kb.tables,
-                                   DirectPath(addresses, reach_seconds=0.5))
+    behind_nat = KnowledgeBank(_shards=kb._shards.with_direct(DirectPath(addresses, reach_seconds=0.5)))
     np.testing.assert_array_equal(behind_nat.lookup("emb", keys)[0], expected)
-    assert not behind_nat._direct.serves(0, "lookup") and behind_nat._direct.serves(1, "lookup")
+    assert not behind_nat._shards.direct.serves(0, "lookup") and behind_nat._shards.direct.serves(1, "lookup")
     kb.close()
 
 
@@ -282,7 +280,7 @@ def test_a_host_that_cannot_be_bound_means_no_direct_path(client):
 def test_shard_errors_keep_their_type_and_never_read_as_a_lost_shard(client):
     kb = KnowledgeBank(client, num_shards=2)
     kb.create_table("emb", dim=DIM)
-    address = kb._direct.addresses[0]
+    address = kb._shards.direct.addresses[0]
     channel = DirectChannel(address["endpoint"], address["token"])
     unknown = DirectCall(channel, channel.send("lookup", ("nope", np.arange(3), False)), lambda: None)
     with pytest.raises(KeyError) as raised:
@@ -290,7 +288,7 @@ def test_shard_errors_keep_their_type_and_never_read_as_a_lost_shard(client):
     assert raised.value.args == ("nope",)
     channel.close()
     with pytest.raises(KeyError):  # through the bank's own call path: not a ShardLostError
-        kb._call("lookup", {0: ("nope", np.arange(3), False)})
+        kb._shards.call("lookup", {0: ("nope", np.arange(3), False)})
     assert isinstance(_rebuilt_error({"type": "OverflowError", "message": "x"}), OverflowError)
     assert isinstance(_rebuilt_error({"type": "ZMQError", "message": "x"}), ShardError)
     with pytest.raises(ValueError, match="version must fit in int64"):
@@ -303,7 +301,7 @@ def test_shard_errors_keep_their_type_and_never_read_as_a_lost_shard(client):
 def test_done_does_not_wait_while_another_thread_waits_on_the_channel(client):
     kb = KnowledgeBank(client, num_shards=1)
     kb.create_table("emb", dim=DIM, initializer="zeros", capacity=1 << 21)
-    address = kb._direct.addresses[0]
+    address = kb._shards.direct.addresses[0]
     channel = DirectChannel(address["endpoint"], address["token"])
     rows = 1 << 21  # an update the shard takes a while over
     big = channel.send("update", ("emb", np.arange(rows), np.ones((rows, DIM), np.float32), 1))
@@ -329,7 +327,7 @@ def test_a_reply_lost_to_a_reset_connection_is_an_error_not_a_hang(client, monke
     kb = KnowledgeBank(client, num_shards=1)
     rows = 1 << 21  # an update the shard takes a while over: several checks fall inside it
     kb.create_table("emb", dim=DIM, initializer="zeros", capacity=rows)
-    address = kb._direct.addresses[0]
+    address = kb._shards.direct.addresses[0]
     channel = DirectChannel(address["endpoint"], address["token"])
     values = np.ones((rows, DIM), np.float32)
     slow = channel.send("update", ("emb", np.arange(rows), values, 1))
@@ -344,7 +342,7 @@ def test_a_reply_lost_to_a_reset_connection_is_an_error_not_a_hang(client, monke
     channel.close()
     # Through the bank: an error naming the shard that says it still serves (not ShardLostError).
     pending = kb.lookup_async("emb", np.arange(rows))
-    bank_channel = kb._direct._channel(0)
+    bank_channel = kb._shards.direct._channel(0)
     bank_channel._socket.disconnect(address["endpoint"])
     bank_channel._socket.connect(address["endpoint"])
     with pytest.raises(ConnectionError, match="shard 0 of 1: the request or its reply was lost.*retried") as raised:

@@ -12,7 +12,7 @@ from process_helpers import wait_until
 from carlskit._errors import CorruptFileError
 from carlskit.bank import KnowledgeBank
 from carlskit.bank._shard import _Shard
-from carlskit.bank._snapshot import Location, read_manifest
+from carlskit.bank._snapshot import Location, import_plan, read_manifest
 from carlskit.bank._wal import records_since, segment_numbers, shard_directory
 
 DIM = 4
@@ -24,12 +24,10 @@ def rebuilt_shard(bank: KnowledgeBank, shard: int, clock) -> _Shard:
     path = bank.latest_snapshot()
     manifest = read_manifest(Location(path))
     fresh = _Shard(shard, bank.num_shards, clock)
-    for name, config in bank.tables.items():
+    for name, config in bank._all_configs().items():
         fresh.create_table(name, config)
-    from carlskit.bank._bank import _import_plan
-
-    fresh.import_snapshot(path, _import_plan(manifest, shard, bank.num_shards))
-    fresh.replay_write_ahead_log(bank._wal_directory, manifest["write_ahead_log"][shard])
+    fresh.import_snapshot(path, import_plan(manifest, shard, bank.num_shards))
+    fresh.replay_write_ahead_log(bank._snapshots.wal_directory, manifest["write_ahead_log"][shard])
     return fresh
 
 
@@ -85,7 +83,7 @@ def test_write_ahead_log_is_truncated_at_each_snapshot_and_checksummed(tmp_path)
     bank = KnowledgeBank(num_shards=1)
     bank.create_table("emb", dim=DIM)
     bank.enable_snapshots(tmp_path / "snaps", write_ahead_log=True, keep=2)
-    wal = bank._wal_directory
+    wal = bank._snapshots.wal_directory
     bank.update("emb", [1, 2], np.ones((2, DIM)))
     bank.snapshot()
     bank.update("emb", [3], np.ones((1, DIM)))
@@ -131,7 +129,7 @@ def test_automatic_snapshots_every_versions_keep_the_newest(tmp_path):
     assert names()[-1] == os.path.basename(bank.latest_snapshot())
     assert bank.status()["snapshots"]["snapshots"]["state"] == "running"
     bank.close()
-    assert bank._snapshotter is None
+    assert not bank._snapshots.running
 
 
 def test_automatic_snapshots_every_seconds(tmp_path):
