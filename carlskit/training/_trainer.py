@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from carlskit._checks import positive_int
+from carlskit._checks import instance, positive_int
 from carlskit._notebook import in_notebook
 from carlskit._step import make_train_step
 from carlskit.bank import ShardLostError
@@ -107,10 +107,8 @@ class Trainer:
         summaries: Any = None,
         prefetch: int = 2,
     ):
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
+        instance(model, "model", nnx.Module, "a flax.nnx.Module")
+        instance(optimizer, "optimizer", optax.GradientTransformation, "an optax GradientTransformation")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
         if knowledge is not None and not callable(knowledge):
@@ -125,8 +123,8 @@ class Trainer:
         self.knowledge = knowledge
         if isinstance(checkpoints, (str, os.PathLike)):
             checkpoints = CheckpointStore(checkpoints)
-        if checkpoints is not None and not isinstance(checkpoints, CheckpointStore):
-            raise TypeError(f"checkpoints must be a CheckpointStore, a path or None, got {type(checkpoints).__name__}")
+        if checkpoints is not None:
+            instance(checkpoints, "checkpoints", CheckpointStore, "a CheckpointStore, a path or None")
         prefetch = positive_int(prefetch, "prefetch")
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
