@@ -255,7 +255,7 @@ class MoEModel(nnx.Module):
         data, evaluate = self._check_fit(tokens, steps, batch_size, learning_rate, optimizer, eval_tokens, eval_every)
         batch_size = int(batch_size)
         tx = optimizer or optax.adam(learning_rate)
-        # The step is the Trainer's (carlskit.training.make_train_step), without its finiteness check
+        # The step is the Trainer's (carlskit/_step.py), without its finiteness check
         # (fit has always trained on, as optax does, and an extra reduction per step would cost time).
         graphdef, state = nnx.split((self, nnx.Optimizer(self, tx, wrt=nnx.Param)))
         train_step = jax.jit(make_train_step(graphdef, _tokens_loss, check_finite=False))
