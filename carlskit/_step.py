@@ -22,7 +22,7 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable[[nnx.Module, Any],
     ``nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))`` (``graphdef`` from that split).
 
     The gradient of ``loss_fn(model, batch) -> (loss, metrics)`` with respect to the model's
-    ``nnx.Param``\\ s is applied by the optimizer (``tx.update``, then ``optax.apply_updates``).
+    ``nnx.Param`` variables is applied by the optimizer (``tx.update``, then ``optax.apply_updates``).
     ``finite`` is True when every inexact leaf of the new state (weights and optimizer state) is
     finite: a finite loss can still come with non-finite gradients (e.g. sqrt at 0). With
     ``check_finite=False`` that reduction is skipped and ``finite`` is a constant True. Pure: the

@@ -1,8 +1,8 @@
 """The CARLS trainer (paper section 3.3): checkpoints, input pipeline with bank knowledge, losses.
 
 The trainer's jitted step (``carlskit/_step.py``: the loss's gradient with respect to the model's
-``nnx.Param``\ s, applied by an ``nnx.Optimizer``) is the one :meth:`carlskit.moe.MoEModel.fit`
-takes too. Widgets (the live plot) are imported only when a fit displays them.
+``nnx.Param`` variables, applied by an ``nnx.Optimizer``) is the one that
+:meth:`carlskit.moe.MoEModel.fit` takes too. Widgets (the live plot) are imported only when a fit displays them.
 """
 
 from carlskit.training._checkpoint import CheckpointStore, restore_model
