@@ -105,14 +105,6 @@ def path(value: Any, name: str) -> str | os.PathLike:
     return instance(value, name, (str, os.PathLike), "a path (str or os.PathLike)")
 
 
-def text(value: Any, name: str) -> str:
-    """``value`` if it is a non-empty ``str``: TypeError for another type, ValueError for ``""``."""
-    instance(value, name, str, "a non-empty str")
-    if not value:
-        raise ValueError(f"{name} must be a non-empty str, got ''")
-    return value
-
-
 def _integer_scalar_array(value: Any) -> bool:
     """A 0-d array of an integer dtype (numpy or JAX), told by its dtype, not by importing either."""
     dtype = getattr(value, "dtype", None)
