@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -75,10 +76,33 @@ def positive_float(value: Any, name: str) -> float:
 
 
 def choice(value: Any, name: str, allowed: Sequence[str]) -> str:
-    """``value`` if it is one of ``allowed``; else ValueError naming ``name`` and the choices."""
-    if not isinstance(value, str) or value not in allowed:
+    """``value`` if it is one of the strings ``allowed``; else TypeError (not a str) or ValueError
+    (another str) naming ``name`` and the choices."""
+    if not isinstance(value, str):
+        raise TypeError(f"{name} must be one of {list(allowed)}, got {value!r} ({type(value).__name__})")
+    if value not in allowed:
         raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
     return value
+
+
+def boolean(value: Any, name: str) -> bool:
+    """``value`` if it is a ``bool`` (not 0/1, not a string); else TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def instance(value: Any, name: str, types: type | tuple[type, ...], expected: str) -> Any:
+    """``value`` if it is an instance of ``types``; else TypeError naming ``name`` and what was
+    ``expected`` (e.g. ``"a flax.nnx.Module"``)."""
+    if not isinstance(value, types):
+        raise TypeError(f"{name} must be {expected}, got {type(value).__name__}")
+    return value
+
+
+def path(value: Any, name: str) -> str | os.PathLike:
+    """``value`` if it is a path (``str`` or ``os.PathLike``); else TypeError naming ``name``."""
+    return instance(value, name, (str, os.PathLike), "a path (str or os.PathLike)")
 
 
 def _integer_scalar_array(value: Any) -> bool:

@@ -19,7 +19,7 @@ import distributed
 from dask.typing import no_default
 from distributed import Client, LocalCluster
 
-from carlskit._checks import positive_int
+from carlskit._checks import instance, integer, positive_int
 from carlskit.cluster._environment import (
     GROUP_VARIABLE,
     HOST_DEVICES_VARIABLE,
@@ -29,6 +29,7 @@ from carlskit.cluster._environment import (
     merge_xla_flags,
     worker_environment,
 )
+from carlskit.cluster._placement import check_resources
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
 
@@ -84,26 +85,19 @@ class WorkerGroup:
     memory_limit: str | int | float | None = "auto"
 
     def __post_init__(self) -> None:
-        if isinstance(self.n_workers, bool) or not isinstance(self.n_workers, int) or self.n_workers < 0:
-            raise ValueError(f"n_workers must be a non-negative int, got {self.n_workers!r}")
+        integer(self.n_workers, "n_workers", minimum=0)
         positive_int(self.threads_per_worker, "threads_per_worker")
         check_platform(self.platform)
-        if not isinstance(self.resources, Mapping):
-            raise TypeError(f"resources must be a dict of name -> amount, got {type(self.resources).__name__}")
-        for name, amount in self.resources.items():
-            if not isinstance(name, str) or isinstance(amount, bool) or not isinstance(amount, (int, float)) \
-                    or amount <= 0:
-                raise ValueError(f"resources must map names to positive amounts, got {name!r}: {amount!r}")
+        resources = check_resources(self.resources)
         if self.devices is not None:
             positive_int(self.devices, "devices")
-        object.__setattr__(self, "resources", dict(self.resources))
+        object.__setattr__(self, "resources", resources)
 
     @classmethod
     def from_spec(cls, name: str, spec: WorkerGroup | Mapping[str, Any]) -> WorkerGroup:
         if isinstance(spec, WorkerGroup):
             return spec
-        if not isinstance(spec, Mapping):
-            raise TypeError(f"worker_groups[{name!r}] must be a dict or WorkerGroup, got {type(spec).__name__}")
+        instance(spec, f"worker_groups[{name!r}]", Mapping, "a dict or WorkerGroup")
         unknown = sorted(set(spec) - {field.name for field in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"worker_groups[{name!r}] has unknown keys {unknown}; "
@@ -163,28 +157,21 @@ def connect(
     """
     if address is not None and scheduler_file is not None:
         raise ValueError("pass either address or scheduler_file, not both")
-    if address is not None and not isinstance(address, str):
-        raise TypeError(f"address must be a str like 'tcp://host:8786', got {type(address).__name__}")
-    if n_workers is not None and (not isinstance(n_workers, int) or n_workers < 0):
-        raise ValueError(f"n_workers must be a non-negative int, got {n_workers!r}")
+    if address is not None:
+        instance(address, "address", str, "a str like 'tcp://host:8786'")
+    if n_workers is not None:
+        integer(n_workers, "n_workers", minimum=0)
     timeout_seconds = _timeout_seconds(timeout)
     try:
         environment = worker_environment(threads_per_worker, platform)
-    except ValueError as error:
-        raise ValueError(str(error).replace("threads ", "threads_per_worker ", 1)) from error
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("threads ", "threads_per_worker ", 1)) from error
     groups = None
     if worker_groups is not None:
         if address is not None or scheduler_file is not None or n_workers is not None or not processes:
             raise ValueError("worker_groups builds an embedded cluster of worker processes: pass it without "
                              "address, scheduler_file, n_workers or processes=False")
-        if not isinstance(worker_groups, Mapping) or not worker_groups:
-            raise ValueError(f"worker_groups must be a non-empty dict of group name -> spec, got {worker_groups!r}")
-        groups = {}
-        for name, spec in worker_groups.items():
-            if not isinstance(name, str) or not name:
-                raise TypeError(f"worker_groups keys must be non-empty str group names, got {name!r}")
-            groups[name] = WorkerGroup.from_spec(name, spec)
-
+        groups = _worker_groups(worker_groups)
     if address is None and scheduler_file is None:
         existing = _default_client()
         if existing is not None:
@@ -196,6 +183,39 @@ def connect(
             "scheduler-address", None
         )
 
+    client = _open_client(address, scheduler_file, groups, n_workers=n_workers, threads_per_worker=threads_per_worker,
+                          processes=processes, memory_limit=memory_limit, dashboard_address=dashboard_address,
+                          security=security, timeout_seconds=timeout_seconds, platform=platform,
+                          environment=environment)
+    if scheduler_file is None and address is None and not processes:
+        return client  # workers are threads of this process: its environment is the user's own
+    try:
+        client.register_plugin(JaxWorkerSetup(platform), name=JaxWorkerSetup.name)
+    except BaseException:
+        client.close()
+        raise
+    return client
+
+
+def _worker_groups(worker_groups: Any) -> dict[str, WorkerGroup]:
+    """``connect(worker_groups=...)`` checked: group name -> :class:`WorkerGroup`."""
+    instance(worker_groups, "worker_groups", Mapping, "a non-empty dict of group name -> spec")
+    if not worker_groups:
+        raise ValueError(f"worker_groups must be a non-empty dict of group name -> spec, got {worker_groups!r}")
+    groups = {}
+    for name, spec in worker_groups.items():
+        if not isinstance(name, str) or not name:
+            raise TypeError(f"worker_groups keys must be non-empty str group names, got {name!r}")
+        groups[name] = WorkerGroup.from_spec(name, spec)
+    return groups
+
+
+def _open_client(address: str | None, scheduler_file: Any, groups: dict[str, WorkerGroup] | None, *,
+                 n_workers: int | None, threads_per_worker: int, processes: bool, memory_limit: Any,
+                 dashboard_address: str | None, security: Any, timeout_seconds: float, platform: str | None,
+                 environment: dict[str, str]) -> Client:
+    """A client of the scheduler in ``scheduler_file``, at ``address``, or of a new embedded cluster
+    (of worker ``groups`` if given)."""
     if scheduler_file is not None:
         if not Path(scheduler_file).exists():
             raise FileNotFoundError(f"scheduler_file {str(scheduler_file)!r} does not exist")
@@ -223,13 +243,6 @@ def connect(
             timeout=timeout_seconds,
             environment=environment,
         )
-    if scheduler_file is None and address is None and not processes:
-        return client  # workers are threads of this process: its environment is the user's own
-    try:
-        client.register_plugin(JaxWorkerSetup(platform), name=JaxWorkerSetup.name)
-    except BaseException:
-        client.close()
-        raise
     return client
 
 

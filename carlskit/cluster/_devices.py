@@ -11,6 +11,7 @@ from typing import Any
 
 from distributed import Client
 
+from carlskit._checks import instance
 from carlskit.cluster._connect import usable_cores
 
 _COLUMNS = ("process", "group", "host", "pid", "backend", "device_count", "device_kinds", "threads", "resources")
@@ -86,8 +87,8 @@ def devices(client: Client | None = None) -> DeviceReport:
     Runs one small function per worker (``Client.run``), which imports JAX there; workers were
     configured beforehand by :func:`carlskit.connect`'s worker plugin.
     """
-    if client is not None and not isinstance(client, Client):
-        raise TypeError(f"client must be a distributed.Client or None, got {type(client).__name__}")
+    if client is not None:
+        instance(client, "client", Client, "a distributed.Client or None")
     rows = [{"process": "client", "group": None, **local_devices(), "threads": usable_cores(),
              "resources": {}}]
     if client is not None:

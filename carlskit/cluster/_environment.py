@@ -74,8 +74,7 @@ def worker_environment(threads: int = 1, platform: str | None = None,
     environment["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
     flags = []
     if host_devices is not None:
-        if isinstance(host_devices, bool) or not isinstance(host_devices, int) or host_devices < 1:
-            raise ValueError(f"host_devices must be a positive int, got {host_devices!r}")
+        positive_int(host_devices, "host_devices")
         flags.append(f"--xla_force_host_platform_device_count={host_devices}")
     if threads == 1:
         flags.append("--xla_cpu_multi_thread_eigen=false")

@@ -18,10 +18,10 @@ or ``accelerator`` resource) unless every worker is one.
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from carlskit._checks import finite_float, instance
 from carlskit._errors import WorkerLostError
 from carlskit.cluster._environment import ACCELERATOR_RESOURCES
 
@@ -32,6 +32,18 @@ class NoWorkerError(WorkerLostError):
 
 def _is_accelerator(resources: Mapping[str, float]) -> bool:
     return any(name.lower() in ACCELERATOR_RESOURCES and amount > 0 for name, amount in resources.items())
+
+
+def check_resources(resources: Any, name: str = "resources") -> dict[str, float]:
+    """``resources`` (Dask worker resources, name -> amount) as a dict: TypeError for another type,
+    a name that is not a str or an amount that is not a number; ValueError for an empty name or an
+    amount not > 0."""
+    instance(resources, name, Mapping, "a dict of resource name -> amount")
+    for key, amount in resources.items():
+        if not isinstance(key, str) or not key:
+            raise TypeError(f"{name} names must be non-empty str, got {key!r}")
+        finite_float(amount, f"{name}[{key!r}]", positive=True)
+    return dict(resources)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,14 +71,7 @@ class Placement:
                 raise ValueError(f"workers must be a non-empty list of worker addresses or names, got {self.workers!r}")
             object.__setattr__(self, "workers", workers)
         if self.resources is not None:
-            if not isinstance(self.resources, Mapping):
-                raise TypeError(f"resources must be a dict of resource name -> amount, got {self.resources!r}")
-            for name, amount in self.resources.items():
-                if not isinstance(name, str) or not name:
-                    raise TypeError(f"resources names must be non-empty str, got {name!r}")
-                if isinstance(amount, bool) or not isinstance(amount, numbers.Real) or not amount > 0:
-                    raise ValueError(f"resources[{name!r}] must be a number > 0, got {amount!r}")
-            object.__setattr__(self, "resources", dict(self.resources))
+            object.__setattr__(self, "resources", check_resources(self.resources))
 
     @classmethod
     def of(cls, workers: Iterable[str] | str | None = None,

@@ -40,7 +40,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from carlskit._checks import positive_float
+from carlskit._checks import finite_float, positive_float
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import is_worker_loss
 from carlskit.cluster._placement import NoWorkerError, Placement
@@ -75,9 +75,7 @@ class RestartPolicy:
             positive_float(getattr(self, field), field)
         if positive_float(self.multiplier, "multiplier") < 1.0:
             raise ValueError(f"multiplier must be >= 1, got {self.multiplier!r}")
-        if isinstance(self.jitter, bool) or not isinstance(self.jitter, (int, float)):
-            raise TypeError(f"jitter must be a float, got {type(self.jitter).__name__}")
-        if not 0.0 <= self.jitter < 1.0:
+        if not 0.0 <= finite_float(self.jitter, "jitter") < 1.0:
             raise ValueError(f"jitter must be in [0, 1), got {self.jitter!r}")
         if self.max_delay_seconds < self.initial_delay_seconds:
             raise ValueError(f"max_delay_seconds ({self.max_delay_seconds}) must be >= initial_delay_seconds "

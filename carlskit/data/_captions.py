@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from carlskit._checks import positive_int
+
 CANVAS = 12
 _DIGIT = 8
 DIGIT_WORDS = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
@@ -75,9 +77,8 @@ def load_captioned_digits(num_items: int = 9216, *, num_test: int = 1024, seed: 
     from sklearn.datasets import load_digits as sklearn_digits
 
     sizes = [len(slot) for slot in _SLOTS]
-    if not isinstance(num_items, int) or not isinstance(num_test, int) or not 0 < num_test < num_items:
-        raise ValueError(f"num_items and num_test must be ints with 0 < num_test < num_items, "
-                         f"got {num_items!r} and {num_test!r}")
+    if not positive_int(num_test, "num_test") < positive_int(num_items, "num_items"):
+        raise ValueError(f"num_test must be < num_items, got {num_test!r} and {num_items!r}")
     if num_items > np.prod(sizes):
         raise ValueError(f"num_items must be <= {np.prod(sizes)} (one distinct caption each), got {num_items}")
     if not 0.0 <= noise < 1.0:

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from carlskit._checks import positive_int
+from carlskit._checks import instance, positive_int
 from carlskit.makers._maker import MakerContext
 from carlskit.training._knowledge import table_config
 
@@ -51,8 +51,7 @@ class EmbeddingMaker:
         if not callable(model_factory) or not callable(encode):
             raise TypeError(f"model_factory and encode must be callable, got {type(model_factory).__name__} "
                             f"and {type(encode).__name__}")
-        if not isinstance(table, str):
-            raise TypeError(f"table must be a table name (str), got {type(table).__name__}")
+        instance(table, "table", str, "a table name (str)")
         self.model_factory = model_factory
         self.encode = encode
         self.features, self.num_rows = _item_features(features)
@@ -196,8 +195,8 @@ class NeighborMaker:
 
     def __init__(self, k: int, *, table: str = "emb", records_table: str = "nbrs", metric: str = "cosine"):
         k = positive_int(k, "k")
-        if not isinstance(table, str) or not isinstance(records_table, str):
-            raise TypeError(f"table and records_table must be table names (str), got {table!r}, {records_table!r}")
+        instance(table, "table", str, "a table name (str)")
+        instance(records_table, "records_table", str, "a table name (str)")
         self.k, self.table, self.records_table, self.metric = k, table, records_table, metric
 
     def __call__(self, context: MakerContext) -> bool:

@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from carlskit._checks import positive_float, positive_int
+from carlskit._checks import instance, positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import (
@@ -179,8 +179,8 @@ class Maker:
             raise ValueError(f"items must be a non-empty 1-D int array, got {items.dtype} {items.shape}")
         if positive_int(num_slices, "num_slices") > len(items):
             raise ValueError(f"num_slices must be in [1, {len(items)}] (one item per slice at least), got {num_slices}")
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"name must be a str or None, got {type(name).__name__}")
+        if name is not None:
+            instance(name, "name", str, "a str or None")
         self.fn = fn
         self.items = items.astype(np.int64)
         self.num_slices = int(num_slices)
@@ -231,8 +231,7 @@ class Maker:
         """Start every slice; returns self. ``client=None`` runs slices in threads here."""
         if self._tasks is not None:
             raise RuntimeError(f"maker {self.name!r} is already running")
-        if not isinstance(checkpoints, CheckpointStore):
-            raise TypeError(f"checkpoints must be a CheckpointStore, got {type(checkpoints).__name__}")
+        instance(checkpoints, "checkpoints", CheckpointStore, "a CheckpointStore")
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"  # this run's events only
         self._store, self._bank, self._client = checkpoints, bank, client
         self._started = time.time()

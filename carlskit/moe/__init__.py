@@ -2,6 +2,10 @@
 
 Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
 Sharding".
+
+``MoEModel.fit`` trains with the same jitted step as :class:`carlskit.training.Trainer`
+(``carlskit/_step.py``), without importing the trainer. Arguments are checked by
+``carlskit/_checks.py``: ``TypeError`` for a wrong type, ``ValueError`` for a bad value, naming it.
 """
 
 from carlskit.moe._data import (

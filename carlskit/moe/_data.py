@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from carlskit._checks import positive_int
+from carlskit._checks import finite_float, positive_int
 
 
 def toy_multilingual_corpus(
@@ -91,9 +91,7 @@ def stdlib_text_corpus(
     Returns ``(train [N, length + 1] int32, validation [M, length + 1] int32)``.
     """
     length = positive_int(length, "length")
-    if isinstance(validation_fraction, bool) or not isinstance(validation_fraction, (int, float)) or not (
-        0.0 < validation_fraction < 1.0
-    ):
+    if not 0.0 < finite_float(validation_fraction, "validation_fraction") < 1.0:
         raise ValueError(f"validation_fraction must be in (0, 1), got {validation_fraction!r}")
     documents = stdlib_text_documents()
     order = np.random.default_rng(seed).permutation(len(documents))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from carlskit._checks import choice
 from carlskit.moe._gating import Routing
 
 DISPATCH_MODES = ("scatter", "einsum")
@@ -89,5 +90,4 @@ def _check_expert_out(routing: Routing, expert_out: jax.Array) -> None:
 
 
 def _check_mode(mode: str) -> None:
-    if mode not in DISPATCH_MODES:
-        raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {mode!r}")
+    choice(mode, "dispatch", DISPATCH_MODES)

@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from carlskit._checks import finite_float, positive_float, positive_int
+from carlskit._checks import choice, finite_float, positive_float, positive_int
 
 SECOND_EXPERT_POLICIES = ("random", "all", "none", "sampling")
 ROUTERS = ("top2", "top1", "expert_choice")
@@ -103,8 +103,7 @@ def expert_capacity(
     num_experts = positive_int(num_experts, "num_experts")
     k = positive_int(k, "k")
     capacity_factor = positive_float(capacity_factor, "capacity_factor")
-    if convention not in CAPACITY_CONVENTIONS:
-        raise ValueError(f"convention must be one of {CAPACITY_CONVENTIONS}, got {convention!r}")
+    choice(convention, "convention", CAPACITY_CONVENTIONS)
     if convention == "praxis":
         capacity = int(group_size * capacity_factor / num_experts)
         return max(1, capacity + (-capacity) % 4) if capacity > 1 else 1
@@ -262,82 +261,118 @@ def _choice_routing(
 ) -> Routing:
     """Token-choice routing with 1 (Switch) or 2 (GShard) experts per token (see top2_gating)."""
     capacity = _check_logits(logits, capacity, min_experts=num_choices)  # top-2 needs two distinct experts
-    if second_expert_policy not in SECOND_EXPERT_POLICIES:
-        raise ValueError(
-            f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
-        )
+    choice(second_expert_policy, "second_expert_policy", SECOND_EXPERT_POLICIES)
     second_expert_threshold = positive_float(second_expert_threshold, "second_expert_threshold")
     gating_logit_cap = finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0)
-    groups, num_tokens, num_experts = logits.shape
+    num_tokens = logits.shape[1]
     valid, first_ok, second_ok = _token_masks(logits, paddings, importance)
     logits = _cap_logits(logits, gating_logit_cap)
     gates = jax.nn.softmax(logits, axis=-1)
-
-    index_1 = jnp.argmax(gates, axis=-1)
-    one_hot_1 = jax.nn.one_hot(index_1, num_experts, dtype=jnp.float32)
-    mask_1 = one_hot_1 * first_ok[..., None]  # padded / unimportant tokens take no first choice
-    gate_1 = jnp.sum(gates * mask_1, axis=-1)
-    aux_loss = load_balancing_loss(gates, mask_1, first_ok)
-
-    # Pass 1: first choices fill buffers in token order; overflow is dropped but counted.
-    position_1 = jnp.sum(_exclusive_cumsum(mask_1) * mask_1, axis=-1).astype(jnp.int32)
-    keep_1 = first_ok & (position_1 < capacity)
-    count_1 = jnp.sum(mask_1, axis=1, keepdims=True)  # [G, 1, E], dropped included
-
+    first = _first_choices(gates, first_ok, capacity)
+    aux_loss = load_balancing_loss(gates, first.mask, first_ok)
     metrics = {
-        "expert_load": _masked_mean(mask_1, jnp.broadcast_to(first_ok[..., None], mask_1.shape), axis=(0, 1)),
-        "dropped_first": _masked_mean(first_ok & ~keep_1, valid),
+        "expert_load": _masked_mean(first.mask, jnp.broadcast_to(first_ok[..., None], first.mask.shape), axis=(0, 1)),
+        "dropped_first": _masked_mean(first_ok & ~first.keep, valid),
         "router_z_loss": _masked_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), valid),
     }
     if num_choices == 1:
         slot_token, slot_weight = _slots_from_choices(
-            index_1, position_1, keep_1, gate_1, num_tokens, num_experts, capacity
+            first.index, first.position, first.keep, first.gate, num_tokens, logits.shape[-1], capacity
         )
         metrics["dropped_second"] = jnp.zeros((), jnp.float32)
-        metrics["dropped_tokens"] = _masked_mean(~keep_1, valid)
+        metrics["dropped_tokens"] = _masked_mean(~first.keep, valid)
     else:
-        noise = None
-        if second_expert_policy in ("random", "sampling"):
-            shape = (groups, num_tokens) + ((num_experts,) if second_expert_policy == "sampling" else ())
-            if uniform is None:
-                if rng is None:
-                    raise ValueError(f'second_expert_policy="{second_expert_policy}" needs rng (a jax.random key)')
-                uniform = jax.random.uniform(rng, shape, jnp.float32)
-            elif tuple(uniform.shape) != shape:
-                raise ValueError(f"second_choice_uniform must have shape {shape}, got {uniform.shape}")
-            if second_expert_policy == "sampling":
-                noise = -jnp.log(-jnp.log(uniform))  # standard Gumbel(0, 1)
-        index_2 = _second_choice(logits, one_hot_1, index_1, noise)
-        mask_2 = jax.nn.one_hot(index_2, num_experts, dtype=jnp.float32)
-        gate_2 = jnp.sum(gates * mask_2, axis=-1) * second_ok
-        if not renormalize_after_drops:  # GShard / mesh-tensorflow: normalise before capacity
-            gate_1, gate_2 = _normalize_pair(gate_1, gate_2)
-        # A second choice whose gate is 0 (underflow, padding) would add nothing but take a slot.
-        attempt_2 = second_ok & (gate_2 > 0)
-        if second_expert_policy == "none":
-            attempt_2 = jnp.zeros_like(attempt_2)
-        elif second_expert_policy == "random":  # GShard: 2 * g2 > u, i.e. u < g2 / 0.5
-            attempt_2 = attempt_2 & (uniform < jax.lax.stop_gradient(gate_2) / second_expert_threshold)
-        # Pass 2: second choices go after *all* first choices of their expert, in token order.
-        # A second choice rejected by the policy takes no slot (as in mesh-tensorflow's moe.py).
-        mask_2 = mask_2 * attempt_2[..., None]
-        position_2 = jnp.sum((_exclusive_cumsum(mask_2) + count_1) * mask_2, axis=-1).astype(jnp.int32)
-        keep_2 = attempt_2 & (position_2 < capacity)
-        if renormalize_after_drops:  # praxis legacy_mtf_behavior=False: kept gates sum to 1
-            gate_1, gate_2 = _normalize_pair(gate_1 * keep_1, gate_2 * keep_2)
-        slot_token, slot_weight = _slots_from_choices(
-            jnp.concatenate([index_1, index_2], axis=1),
-            jnp.concatenate([position_1, position_2], axis=1),
-            jnp.concatenate([keep_1, keep_2], axis=1),
-            jnp.concatenate([gate_1, gate_2], axis=1),
-            num_tokens,
-            num_experts,
-            capacity,
+        uniform = _second_choice_uniform(second_expert_policy, logits.shape, uniform, rng)
+        slot_token, slot_weight, dropped_second, kept = _with_second_choices(
+            logits, gates, first, second_ok, capacity, second_expert_policy, uniform, second_expert_threshold,
+            renormalize_after_drops,
         )
-        metrics["dropped_second"] = _masked_mean(attempt_2 & ~keep_2, valid)
-        metrics["dropped_tokens"] = _masked_mean(~keep_1 & ~keep_2, valid)
+        metrics["dropped_second"] = _masked_mean(dropped_second, valid)
+        metrics["dropped_tokens"] = _masked_mean(~first.keep & ~kept, valid)
     metrics["expert_fill"] = jnp.mean(slot_token < num_tokens, axis=(0, 2))
     return Routing(slot_token, slot_weight.astype(fprop_dtype), aux_loss, metrics, num_tokens, mask_dtype)
+
+
+class _FirstChoices(NamedTuple):
+    """Each token's first expert (``index`` [G, S], ``one_hot`` and ``mask`` [G, S, E]), its gate,
+    buffer ``position``, whether it is kept within capacity, and every expert's first-choice
+    ``count`` [G, 1, E] (dropped included): where the second choices start."""
+
+    index: jax.Array
+    one_hot: jax.Array
+    mask: jax.Array
+    gate: jax.Array
+    position: jax.Array
+    keep: jax.Array
+    count: jax.Array
+
+
+def _first_choices(gates: jax.Array, first_ok: jax.Array, capacity: int) -> _FirstChoices:
+    """Pass 1: first choices fill buffers in token order; overflow is dropped but counted."""
+    index_1 = jnp.argmax(gates, axis=-1)
+    one_hot_1 = jax.nn.one_hot(index_1, gates.shape[-1], dtype=jnp.float32)
+    mask_1 = one_hot_1 * first_ok[..., None]  # padded / unimportant tokens take no first choice
+    gate_1 = jnp.sum(gates * mask_1, axis=-1)
+    position_1 = jnp.sum(_exclusive_cumsum(mask_1) * mask_1, axis=-1).astype(jnp.int32)
+    keep_1 = first_ok & (position_1 < capacity)
+    count_1 = jnp.sum(mask_1, axis=1, keepdims=True)  # [G, 1, E], dropped included
+    return _FirstChoices(index_1, one_hot_1, mask_1, gate_1, position_1, keep_1, count_1)
+
+
+def _second_choice_uniform(second_expert_policy: str, logits_shape: tuple[int, ...], uniform: jax.Array | None,
+                           rng: jax.Array | None) -> jax.Array | None:
+    """The uniform draws of policy "random" ([G, S]) or "sampling" ([G, S, E]): ``uniform`` if
+    given (checked), else drawn from ``rng``; None for the other policies."""
+    if second_expert_policy not in ("random", "sampling"):
+        return None
+    groups, num_tokens, num_experts = logits_shape
+    shape = (groups, num_tokens) + ((num_experts,) if second_expert_policy == "sampling" else ())
+    if uniform is None:
+        if rng is None:
+            raise ValueError(f'second_expert_policy="{second_expert_policy}" needs rng (a jax.random key)')
+        return jax.random.uniform(rng, shape, jnp.float32)
+    if tuple(uniform.shape) != shape:
+        raise ValueError(f"second_choice_uniform must have shape {shape}, got {uniform.shape}")
+    return uniform
+
+
+def _with_second_choices(
+    logits: jax.Array, gates: jax.Array, first: _FirstChoices, second_ok: jax.Array, capacity: int,
+    second_expert_policy: str, uniform: jax.Array | None, second_expert_threshold: float,
+    renormalize_after_drops: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """GShard Algorithm 1's second expert: the slots of both choices, and per token whether its
+    second choice was attempted but dropped, and whether it was kept."""
+    num_tokens, num_experts = logits.shape[1:]
+    noise = -jnp.log(-jnp.log(uniform)) if second_expert_policy == "sampling" else None  # standard Gumbel(0, 1)
+    index_2 = _second_choice(logits, first.one_hot, first.index, noise)
+    mask_2 = jax.nn.one_hot(index_2, num_experts, dtype=jnp.float32)
+    gate_1, gate_2 = first.gate, jnp.sum(gates * mask_2, axis=-1) * second_ok
+    if not renormalize_after_drops:  # GShard / mesh-tensorflow: normalise before capacity
+        gate_1, gate_2 = _normalize_pair(gate_1, gate_2)
+    # A second choice whose gate is 0 (underflow, padding) would add nothing but take a slot.
+    attempt_2 = second_ok & (gate_2 > 0)
+    if second_expert_policy == "none":
+        attempt_2 = jnp.zeros_like(attempt_2)
+    elif second_expert_policy == "random":  # GShard: 2 * g2 > u, i.e. u < g2 / 0.5
+        attempt_2 = attempt_2 & (uniform < jax.lax.stop_gradient(gate_2) / second_expert_threshold)
+    # Pass 2: second choices go after *all* first choices of their expert, in token order.
+    # A second choice rejected by the policy takes no slot (as in mesh-tensorflow's moe.py).
+    mask_2 = mask_2 * attempt_2[..., None]
+    position_2 = jnp.sum((_exclusive_cumsum(mask_2) + first.count) * mask_2, axis=-1).astype(jnp.int32)
+    keep_2 = attempt_2 & (position_2 < capacity)
+    if renormalize_after_drops:  # praxis legacy_mtf_behavior=False: kept gates sum to 1
+        gate_1, gate_2 = _normalize_pair(gate_1 * first.keep, gate_2 * keep_2)
+    slot_token, slot_weight = _slots_from_choices(
+        jnp.concatenate([first.index, index_2], axis=1),
+        jnp.concatenate([first.position, position_2], axis=1),
+        jnp.concatenate([first.keep, keep_2], axis=1),
+        jnp.concatenate([gate_1, gate_2], axis=1),
+        num_tokens,
+        num_experts,
+        capacity,
+    )
+    return slot_token, slot_weight, attempt_2 & ~keep_2, keep_2
 
 
 _ROUTING_STATICS = (
@@ -502,21 +537,18 @@ def route(logits: jax.Array, capacity: int, *, router: str = "top2", **options: 
     ``rng``, ``second_choice_uniform``, ``renormalize_after_drops``) are dropped for the others,
     and ``importance`` for expert choice.
     """
-    if router == "top2":
+    if choice(router, "router", ROUTERS) == "top2":
         return top2_gating(logits, capacity, **options)
     top2_only = ("second_expert_policy", "second_expert_threshold", "rng", "second_choice_uniform",
                  "renormalize_after_drops")
     options = {k: v for k, v in options.items() if k not in top2_only}
     if router == "top1":
         return top1_gating(logits, capacity, **options)
-    if router == "expert_choice":
-        options.pop("importance", None)
-        return expert_choice_gating(logits, capacity, **options)
-    raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    options.pop("importance", None)  # router == "expert_choice"
+    return expert_choice_gating(logits, capacity, **options)
 
 
 def experts_per_token(router: str) -> int:
     """k: experts each token uses (per-token FLOPs factor) for capacity and dense baselines."""
-    if router not in ROUTERS:
-        raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
+    choice(router, "router", ROUTERS)
     return 1 if router == "top1" else 2

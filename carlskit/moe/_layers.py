@@ -13,7 +13,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from carlskit._checks import finite_float, positive_float, positive_int
+from carlskit._checks import boolean, choice, finite_float, positive_float, positive_int
 from carlskit.moe._dispatch import DISPATCH_MODES, combine, dispatch
 from carlskit.moe._gating import (
     ROUTERS,
@@ -110,14 +110,9 @@ class MoEFeedForward(nnx.Module):
         mesh: Mesh | None = None,
         rngs: nnx.Rngs,
     ):
-        if router not in ROUTERS:
-            raise ValueError(f"router must be one of {ROUTERS}, got {router!r}")
-        if second_expert_policy not in SECOND_EXPERT_POLICIES:
-            raise ValueError(
-                f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
-            )
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
+        choice(router, "router", ROUTERS)
+        choice(second_expert_policy, "second_expert_policy", SECOND_EXPERT_POLICIES)
+        choice(dispatch, "dispatch", DISPATCH_MODES)
         num_experts = positive_int(num_experts, "num_experts")
         capacity_factor = positive_float(capacity_factor, "capacity_factor")
         if group_size is not None:
@@ -130,8 +125,7 @@ class MoEFeedForward(nnx.Module):
             )
         if expert_capacity is not None:
             expert_capacity = positive_int(expert_capacity, "expert_capacity")
-        if not isinstance(renormalize_after_drops, bool):
-            raise TypeError(f"renormalize_after_drops must be a bool, got {renormalize_after_drops!r}")
+        boolean(renormalize_after_drops, "renormalize_after_drops")
         # A tuple of pairs, not a dict: module attributes end up in the (hashed) graph definition.
         self.gating_options = tuple(dict(
             second_expert_threshold=positive_float(second_expert_threshold, "second_expert_threshold"),

@@ -14,7 +14,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from carlskit._checks import finite_float, integer, positive_float, positive_int
+from carlskit._checks import boolean, choice, finite_float, instance, integer, positive_float, positive_int
+from carlskit._step import make_train_step
 from carlskit.moe._dispatch import DISPATCH_MODES
 from carlskit.moe._gating import SECOND_EXPERT_POLICIES, experts_per_token
 from carlskit.moe._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _dtype, _scaled_normal
@@ -86,68 +87,42 @@ class MoEModel(nnx.Module):
         integer(num_experts, "num_experts", minimum=0)  # 0 = the dense baseline
         if d_model % num_heads:
             raise ValueError(f"d_model={d_model} must be divisible by num_heads={num_heads}")
-        # Checked here even when unused (num_experts=0), so a typo never passes silently.
-        experts_per_token(router)
-        positive_float(capacity_factor, "capacity_factor")
-        if second_expert_policy not in SECOND_EXPERT_POLICIES:
-            raise ValueError(
-                f"second_expert_policy must be one of {SECOND_EXPERT_POLICIES}, got {second_expert_policy!r}"
-            )
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"dispatch must be one of {DISPATCH_MODES}, got {dispatch!r}")
-        if ffn_dim is not None:
-            positive_int(ffn_dim, "ffn_dim")
-        if group_size is not None:
-            positive_int(group_size, "group_size")
-        for name, value in (("aux_loss_weight", aux_loss_weight), ("z_loss_weight", z_loss_weight)):
-            finite_float(value, name, minimum=0.0)
-        gating = dict(
-            second_expert_threshold=positive_float(second_expert_threshold, "second_expert_threshold"),
-            gating_logit_cap=finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0),
-            renormalize_after_drops=renormalize_after_drops,
-            expert_capacity=None if expert_capacity is None else positive_int(expert_capacity, "expert_capacity"),
+        moe_options = _moe_options(
+            router=router, capacity_factor=capacity_factor, second_expert_policy=second_expert_policy,
+            dispatch=dispatch, group_size=group_size, aux_loss_weight=aux_loss_weight, z_loss_weight=z_loss_weight,
+            second_expert_threshold=second_expert_threshold, gating_logit_cap=gating_logit_cap,
+            renormalize_after_drops=renormalize_after_drops, expert_capacity=expert_capacity,
         )
-        if not isinstance(renormalize_after_drops, bool):
-            raise TypeError(f"renormalize_after_drops must be a bool, got {renormalize_after_drops!r}")
+        ffn_dim = 4 * d_model if ffn_dim is None else positive_int(ffn_dim, "ffn_dim")
         self.dtype = _dtype(dtype, "dtype")
-        if pad_id is not None:
-            pad_id = integer(pad_id, "pad_id", 0)
-            if pad_id >= vocab_size:
-                raise ValueError(f"pad_id must be < vocab_size={vocab_size}, got {pad_id}")
-        self.pad_id = pad_id
-        if mesh is not None:
-            if not isinstance(mesh, Mesh) or not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
-                raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", '
-                                 f'got {mesh!r}')
-            mesh = auto_axes(mesh)
-        ffn_dim = 4 * d_model if ffn_dim is None else int(ffn_dim)
+        self.pad_id = None if pad_id is None else _pad_id(pad_id, vocab_size)
+        self.mesh = None if mesh is None else _checked_mesh(mesh)
         rngs = nnx.Rngs(params=seed)
         self.vocab_size = int(vocab_size)
         self.max_length = int(max_length)
         self.num_experts = int(num_experts)
         self.aux_loss_weight = float(aux_loss_weight)
         self.z_loss_weight = float(z_loss_weight)
-        self.mesh = mesh
         self.embedding = _scaled_normal(rngs, (vocab_size, d_model), d_model)  # tied with the output
         self.position_embedding = _scaled_normal(rngs, (max_length, d_model), 2500.0)  # std 0.02
-        blocks = []
-        for i in range(num_layers):
-            if i % 2 == 1 or num_layers == 1:
-                if num_experts == 0:
-                    ffn = FeedForward(d_model, experts_per_token(router) * ffn_dim, rngs=rngs)
-                else:
-                    ffn = MoEFeedForward(
-                        d_model, ffn_dim, num_experts, capacity_factor=capacity_factor, router=router,
-                        second_expert_policy=second_expert_policy, dispatch=dispatch, **gating,
-                        group_size=group_size, mesh=mesh, rngs=rngs,
-                    )
-            else:
-                ffn = FeedForward(d_model, ffn_dim, rngs=rngs)
-            blocks.append(TransformerBlock(d_model, num_heads, ffn, rngs=rngs))
-        self.blocks = nnx.List(blocks)
+        self.blocks = nnx.List([
+            TransformerBlock(d_model, num_heads, self._feed_forward(i, num_layers, d_model, ffn_dim, moe_options, rngs),
+                             rngs=rngs)
+            for i in range(num_layers)
+        ])
         self.final_norm = nnx.LayerNorm(d_model, rngs=rngs)
-        if mesh is not None:
+        if self.mesh is not None:
             self._place_parameters()
+
+    def _feed_forward(self, layer: int, num_layers: int, d_model: int, ffn_dim: int, moe_options: dict,
+                      rngs: nnx.Rngs) -> nnx.Module:
+        """Layer ``layer``'s FFN: MoE at odd layers (or the only layer), dense elsewhere; with
+        ``num_experts=0`` the MoE slots are dense FFNs of ``k * ffn_dim`` (the same per-token FLOPs)."""
+        if layer % 2 == 0 and num_layers > 1:
+            return FeedForward(d_model, ffn_dim, rngs=rngs)
+        if self.num_experts == 0:
+            return FeedForward(d_model, experts_per_token(moe_options["router"]) * ffn_dim, rngs=rngs)
+        return MoEFeedForward(d_model, ffn_dim, self.num_experts, **moe_options, mesh=self.mesh, rngs=rngs)
 
     # ----------------------------------------------------------------------------- placement
     def _place_parameters(self) -> None:
@@ -277,6 +252,38 @@ class MoEModel(nnx.Module):
         ``eval_loss`` (validation cross-entropy, nats) every ``eval_every`` steps (if ``eval_tokens``).
         """
         # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
+        data, evaluate = self._check_fit(tokens, steps, batch_size, learning_rate, optimizer, eval_tokens, eval_every)
+        batch_size = int(batch_size)
+        tx = optimizer or optax.adam(learning_rate)
+        # The step is the Trainer's (carlskit/_step.py), without its finiteness check
+        # (fit has always trained on, as optax does, and an extra reduction per step would cost time).
+        graphdef, state = nnx.split((self, nnx.Optimizer(self, tx, wrt=nnx.Param)))
+        train_step = jax.jit(make_train_step(graphdef, _tokens_loss, check_finite=False))
+        sample_rng = np.random.default_rng(seed)
+        routing_key = jax.random.key(seed)
+        history: dict[str, list] = {"step": [], "seconds": []}
+        started = time.perf_counter()
+        for step in range(steps):
+            batch = self.shard_batch(data[sample_rng.integers(0, len(data), batch_size)])
+            state, _, metrics, _ = train_step(state, {"tokens": batch, "rng": jax.random.fold_in(routing_key, step)})
+            record = {k: np.asarray(v) for k, v in metrics.items()}
+            if evaluate and ((step + 1) % eval_every == 0 or step + 1 == steps):
+                evaluation_started = time.perf_counter()
+                nnx.update(self, state[0])
+                record["eval_loss"] = self.evaluate(eval_tokens, batch_size=batch_size)["cross_entropy"]
+                started += time.perf_counter() - evaluation_started  # "seconds" counts training only
+            history["step"].append(step)
+            history["seconds"].append(time.perf_counter() - started)
+            for key, value in record.items():
+                history.setdefault(key, []).append(float(value) if np.ndim(value) == 0 else value)
+            if callback is not None:
+                callback(step, record)
+        nnx.update(self, state[0])
+        return history
+
+    def _check_fit(self, tokens: Any, steps: Any, batch_size: Any, learning_rate: Any, optimizer: Any,
+                   eval_tokens: Any, eval_every: Any) -> tuple[np.ndarray, bool]:
+        """``fit``'s arguments checked; the training rows and whether to evaluate."""
         batch_size = positive_int(batch_size, "batch_size")
         integer(steps, "steps", minimum=0)
         integer(eval_every, "eval_every", minimum=0)  # 0 = never
@@ -287,39 +294,15 @@ class MoEModel(nnx.Module):
             raise ValueError(f"tokens must hold at least batch_size={batch_size} rows, got {data.shape}")
         if data.shape[1] > self.max_length + 1:
             raise ValueError(f"tokens length {data.shape[1]} exceeds max_length + 1 = {self.max_length + 1}")
-        if eval_tokens is not None and eval_every:
-            evaluation = self._check_tokens(np.asarray(eval_tokens), "eval_tokens")
-            if evaluation.shape[0] < batch_size or evaluation.shape[1] > self.max_length + 1:
-                raise ValueError(
-                    f"eval_tokens must be [rows >= batch_size={batch_size}, length <= {self.max_length + 1}], "
-                    f"got {evaluation.shape}"
-                )
-        tx = optimizer or optax.adam(learning_rate)
-        graphdef, state = nnx.split(self)
-        opt_state = tx.init(state)
-        sample_rng = np.random.default_rng(seed)
-        routing_key = jax.random.key(seed)
-        history: dict[str, list] = {"step": [], "seconds": []}
-        started = time.perf_counter()
-        for step in range(steps):
-            batch = self.shard_batch(data[sample_rng.integers(0, len(data), batch_size)])
-            state, opt_state, metrics = _train_step(
-                graphdef, tx, state, opt_state, batch, jax.random.fold_in(routing_key, step)
+        if eval_tokens is None or not eval_every:
+            return data, False
+        evaluation = self._check_tokens(np.asarray(eval_tokens), "eval_tokens")
+        if evaluation.shape[0] < batch_size or evaluation.shape[1] > self.max_length + 1:
+            raise ValueError(
+                f"eval_tokens must be [rows >= batch_size={batch_size}, length <= {self.max_length + 1}], "
+                f"got {evaluation.shape}"
             )
-            record = {k: np.asarray(v) for k, v in metrics.items()}
-            if eval_tokens is not None and eval_every and ((step + 1) % eval_every == 0 or step + 1 == steps):
-                evaluation_started = time.perf_counter()
-                nnx.update(self, state)
-                record["eval_loss"] = self.evaluate(eval_tokens, batch_size=batch_size)["cross_entropy"]
-                started += time.perf_counter() - evaluation_started  # "seconds" counts training only
-            history["step"].append(step)
-            history["seconds"].append(time.perf_counter() - started)
-            for key, value in record.items():
-                history.setdefault(key, []).append(float(value) if np.ndim(value) == 0 else value)
-            if callback is not None:
-                callback(step, record)
-        nnx.update(self, state)
-        return history
+        return data, True
 
     def evaluate(self, tokens: Any, *, batch_size: int | None = None) -> dict[str, float]:
         """Mean metrics over all rows of ``tokens`` [N, L] (routing with the fixed evaluation key):
@@ -389,15 +372,53 @@ class MoEModel(nnx.Module):
         return np.asarray(out)
 
 
+def _moe_options(*, router: Any, capacity_factor: Any, second_expert_policy: Any, dispatch: Any,
+                 group_size: Any, aux_loss_weight: Any, z_loss_weight: Any, second_expert_threshold: Any,
+                 gating_logit_cap: Any, renormalize_after_drops: Any, expert_capacity: Any) -> dict:
+    """The keywords every :class:`MoEFeedForward` of the model gets, checked (even when unused, with
+    ``num_experts=0``, so a typo never passes silently); the loss weights are checked here too."""
+    experts_per_token(router)
+    positive_float(capacity_factor, "capacity_factor")
+    choice(second_expert_policy, "second_expert_policy", SECOND_EXPERT_POLICIES)
+    choice(dispatch, "dispatch", DISPATCH_MODES)
+    if group_size is not None:
+        positive_int(group_size, "group_size")
+    for name, value in (("aux_loss_weight", aux_loss_weight), ("z_loss_weight", z_loss_weight)):
+        finite_float(value, name, minimum=0.0)
+    positive_float(second_expert_threshold, "second_expert_threshold")
+    finite_float(gating_logit_cap, "gating_logit_cap", minimum=0.0)
+    if expert_capacity is not None:
+        positive_int(expert_capacity, "expert_capacity")
+    boolean(renormalize_after_drops, "renormalize_after_drops")
+    return dict(capacity_factor=capacity_factor, router=router, second_expert_policy=second_expert_policy,
+                dispatch=dispatch, group_size=group_size, second_expert_threshold=second_expert_threshold,
+                gating_logit_cap=gating_logit_cap, renormalize_after_drops=renormalize_after_drops,
+                expert_capacity=expert_capacity)
+
+
+def _pad_id(pad_id: Any, vocab_size: int) -> int:
+    pad_id = integer(pad_id, "pad_id", 0)
+    if pad_id >= vocab_size:
+        raise ValueError(f"pad_id must be < vocab_size={vocab_size}, got {pad_id}")
+    return pad_id
+
+
+def _checked_mesh(mesh: Any) -> Mesh:
+    """``mesh`` with axes "data" and "expert" (TypeError for another type, ValueError for other axes),
+    its axes made Auto (see :func:`carlskit.moe.auto_axes`)."""
+    instance(mesh, "mesh", Mesh, f'a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}"')
+    if not {DATA_AXIS, EXPERT_AXIS} <= set(mesh.axis_names):
+        raise ValueError(f'mesh must be a jax.sharding.Mesh with axes "{DATA_AXIS}" and "{EXPERT_AXIS}", got {mesh!r}')
+    return auto_axes(mesh)
+
+
 def _loss_fn(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, rng: jax.Array | None = None):
     return nnx.merge(graphdef, state).loss_and_metrics(tokens, rng=rng)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "tx"))
-def _train_step(graphdef, tx, state, opt_state, tokens, rng):
-    grads, metrics = jax.grad(_loss_fn, argnums=1, has_aux=True)(graphdef, state, tokens, rng)
-    updates, opt_state = tx.update(grads, opt_state, state)
-    return optax.apply_updates(state, updates), opt_state, metrics
+def _tokens_loss(model: MoEModel, batch: dict) -> tuple[jax.Array, dict]:
+    """The training step's loss: ``batch`` holds the ``tokens`` and the step's routing ``rng``."""
+    return model.loss_and_metrics(batch["tokens"], rng=batch["rng"])
 
 
 _eval_step = jax.jit(_loss_fn, static_argnames=("graphdef",))

@@ -14,6 +14,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
+from carlskit._checks import positive_int
+
 DATA_AXIS = "data"
 EXPERT_AXIS = "expert"
 AxisName = str | tuple[str, ...] | None
@@ -26,11 +28,8 @@ def make_mesh(data: int = 1, expert: int | None = None, *, devices: Sequence[jax
     partitioner propagates the annotations.
     """
     devices = list(jax.devices() if devices is None else devices)
-    for name, value in (("data", data), ("expert", expert)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1):
-            raise ValueError(f"make_mesh: {name} must be a positive int, got {value!r}")
-    data = int(data)
-    expert = len(devices) // data if expert is None else int(expert)
+    data = positive_int(data, "data")
+    expert = len(devices) // data if expert is None else positive_int(expert, "expert")
     if expert < 1 or data * expert > len(devices):
         raise ValueError(
             f"mesh shape (data={data}, expert={expert}) needs data * expert <= {len(devices)} devices "

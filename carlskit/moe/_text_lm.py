@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from carlskit._checks import positive_int
+from carlskit._checks import choice, positive_int
 from carlskit.moe._data import BYTE_VOCAB_SIZE, PAD_ID, stdlib_text_corpus
 from carlskit.moe._model import MoEModel
 
@@ -54,8 +54,7 @@ def text_lm_comparison(
     ``validation_bpb``, ``history`` (the full :meth:`~carlskit.moe.MoEModel.fit` history).
     ``callback(run)`` is called after each run; ``steps`` overrides the size's step count.
     """
-    if size not in TEXT_LM_SIZES:
-        raise ValueError(f"size must be one of {tuple(TEXT_LM_SIZES)}, got {size!r}")
+    choice(size, "size", tuple(TEXT_LM_SIZES))
     config = dict(TEXT_LM_SIZES[size])
     if steps is not None:
         config["steps"] = positive_int(steps, "steps")

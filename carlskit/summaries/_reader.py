@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
+from carlskit import _checks
 from carlskit.summaries import _format
 
 
@@ -47,10 +48,8 @@ class SummaryReader:
     """
 
     def __init__(self, logdir: str | os.PathLike, *, on_corrupt: str = "raise"):
-        if not isinstance(logdir, (str, os.PathLike)):
-            raise TypeError(f"logdir must be a path, got {type(logdir).__name__}")
-        if on_corrupt not in ("raise", "skip"):
-            raise ValueError(f"on_corrupt must be 'raise' or 'skip', got {on_corrupt!r}")
+        _checks.path(logdir, "logdir")
+        _checks.choice(on_corrupt, "on_corrupt", ("raise", "skip"))
         self.logdir = Path(logdir)
         if self.logdir.exists() and not self.logdir.is_dir():
             raise NotADirectoryError(f"logdir {str(self.logdir)!r} exists and is not a directory")
@@ -64,11 +63,7 @@ class SummaryReader:
     def refresh(self, level: int = 0) -> int:
         """Read records appended since the last call at this decimation level; return how many
         entries were new."""
-        if isinstance(level, bool) or not isinstance(level, (int, np.integer)) or not (
-            0 <= level <= _format.DECIMATION_LEVELS
-        ):
-            raise ValueError(f"level must be an int in [0, {_format.DECIMATION_LEVELS}], got {level!r}")
-        level = int(level)
+        level = _checks.integer(level, "level", 0, _format.DECIMATION_LEVELS)
         with self._lock:
             state = self._levels.setdefault(level, _Level())
             new_entries = 0
@@ -152,10 +147,8 @@ class SummaryReader:
         points reads only thousands. Unknown names give an empty frame.
         """
         _check_name(name)
-        if max_points is not None and (
-            isinstance(max_points, bool) or not isinstance(max_points, (int, np.integer)) or max_points < 1
-        ):
-            raise ValueError(f"max_points must be a positive int or None, got {max_points!r}")
+        if max_points is not None:
+            _checks.positive_int(max_points, "max_points")
         with self._lock:
             level = self._choose_level(name, max_points)
             columns = self._columns(_format.SCALARS, name, level)
@@ -239,8 +232,7 @@ class SummaryReader:
         of what was written and the file's ``path``. Needs tensorboardX (``pip install
         'carlskit[tensorboard]'``); see :mod:`carlskit.summaries._tensorboard` for the mapping.
         Also ``python -m carlskit.summaries export SRC DST``."""
-        if not isinstance(logdir, (str, os.PathLike)):
-            raise TypeError(f"logdir must be a path, got {type(logdir).__name__}")
+        _checks.path(logdir, "logdir")
         if Path(logdir).resolve() == self.logdir.resolve():
             raise ValueError(f"logdir must differ from the summaries' own directory {str(self.logdir)!r}")
         from carlskit.summaries._tensorboard import export
@@ -253,8 +245,7 @@ class SummaryReader:
 
 
 def _check_name(name: object) -> None:
-    if not isinstance(name, str):
-        raise TypeError(f"name must be a str (a summary name), got {type(name).__name__}: {name!r}")
+    _checks.instance(name, "name", str, "a str (a summary name)")
 
 
 def _kind_codes(kind: str | None) -> set[int]:

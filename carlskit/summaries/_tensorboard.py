@@ -53,7 +53,33 @@ def export(reader: Any, logdir: str | os.PathLike) -> dict[str, Any]:
     """Write every summary ``reader`` sees into one new event file in ``logdir``; return counts of
     what was written and the file's path."""
     EventsWriter, event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2 = _tensorboardx()
-    # (step, wall_time, order, value-maker): built per kind, then written sorted by step
+    steps, wall_times, makers, counts = _value_makers(reader, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2)
+    logdir = Path(logdir)
+    logdir.mkdir(parents=True, exist_ok=True)
+    # one synchronous writer (tensorboardX's EventFileWriter pickles every event through a
+    # multiprocessing queue); the suffix keeps two exports in the same second apart
+    suffix = f".{uuid.uuid4().hex[:8]}.carlskit"
+    writer = EventsWriter(str(logdir / "events"), suffix)
+    try:
+        if makers:
+            all_steps = np.concatenate(steps)
+            all_walls = np.concatenate(wall_times)
+            source = np.repeat(np.arange(len(makers)), [count for _, count in makers])
+            index = np.concatenate([np.arange(count) for _, count in makers])
+            for position in np.lexsort((all_walls, all_steps)).tolist():
+                make = makers[source[position]][0]
+                writer.write_event(event_pb2.Event(
+                    wall_time=float(all_walls[position]), step=int(all_steps[position]),
+                    summary=summary_pb2.Summary(value=[make(int(index[position]))])))
+    finally:
+        writer.close()
+    (path,) = logdir.glob(f"events.out.tfevents.*{suffix}")
+    return {**counts, "path": str(path)}
+
+
+def _value_makers(reader: Any, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2) -> tuple[list, list, list, dict]:
+    """Per summary name: its steps, wall times and ``(make(i) -> Summary.Value, count)``, for
+    ``export`` to write sorted by step; and the counts of each kind."""
     steps, wall_times, makers = [], [], []
     counts = {"scalars": 0, "histograms": 0, "samples": 0, "texts": 0}
 
@@ -99,25 +125,4 @@ def export(reader: Any, logdir: str | os.PathLike) -> dict[str, Any]:
             tag=name, metadata=text_metadata, tensor=tensor_pb2.TensorProto(
                 dtype=types_pb2.DT_STRING, string_val=[texts[i].encode("utf-8")],
                 tensor_shape=tensor_shape_pb2.TensorShapeProto())), len(frame)))
-
-    logdir = Path(logdir)
-    logdir.mkdir(parents=True, exist_ok=True)
-    # one synchronous writer (tensorboardX's EventFileWriter pickles every event through a
-    # multiprocessing queue); the suffix keeps two exports in the same second apart
-    suffix = f".{uuid.uuid4().hex[:8]}.carlskit"
-    writer = EventsWriter(str(logdir / "events"), suffix)
-    try:
-        if makers:
-            all_steps = np.concatenate(steps)
-            all_walls = np.concatenate(wall_times)
-            source = np.repeat(np.arange(len(makers)), [count for _, count in makers])
-            index = np.concatenate([np.arange(count) for _, count in makers])
-            for position in np.lexsort((all_walls, all_steps)).tolist():
-                make = makers[source[position]][0]
-                writer.write_event(event_pb2.Event(
-                    wall_time=float(all_walls[position]), step=int(all_steps[position]),
-                    summary=summary_pb2.Summary(value=[make(int(index[position]))])))
-    finally:
-        writer.close()
-    (path,) = logdir.glob(f"events.out.tfevents.*{suffix}")
-    return {**counts, "path": str(path)}
+    return steps, wall_times, makers, counts

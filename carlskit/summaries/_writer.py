@@ -235,8 +235,7 @@ class SummaryWriter:
         resources: dict[str, float] | None = None,
         _aggregators: list | None = None,
     ):
-        if not isinstance(logdir, (str, os.PathLike)):
-            raise TypeError(f"logdir must be a path, got {type(logdir).__name__}")
+        _checks.path(logdir, "logdir")
         self.sample_rate = _check_rate(sample_rate)
         self.flush_every_seconds = _checks.positive_float(flush_every_seconds, "flush_every_seconds")
         self.max_pending = _checks.integer(max_pending, "max_pending", 1, MAX_PENDING_LIMIT)
@@ -248,6 +247,8 @@ class SummaryWriter:
             raise ValueError("workers/resources place aggregators on a Dask cluster: pass a client too")
         if n_shards is not None:
             n_shards = _checks.integer(n_shards, "n_shards", 1, MAX_SHARDS)
+        if seed is not None:  # a bool is not a seed (numpy would take True as 1)
+            seed = _checks.integer(seed, "seed", 0)
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._wake_at = max(1, self.max_pending // 4)
@@ -267,15 +268,7 @@ class SummaryWriter:
         self._alarm = False  # closed, a background error or a give-up: checked by every call
         self._client = client
         self._files: SummaryFiles | None = None
-        if _aggregators is not None:  # a copy unpickled in another process
-            self._shards = [_Shard(index, self.restart_policy, actor) for index, actor in enumerate(_aggregators)]
-            self._owns_aggregators = False
-        elif client is not None:
-            self._shards = self._start_aggregators(client, n_shards)
-            self._owns_aggregators = True
-        else:
-            self._shards = [_Shard(0, self.restart_policy)]
-            self._owns_aggregators = False
+        self._shards, self._owns_aggregators = self._open_shards(client, n_shards, _aggregators)
         if self._shards[0].actor is None:
             self._files = SummaryFiles(self.logdir, new_origin("writer"))
         self._wake = threading.Event()
@@ -284,6 +277,16 @@ class SummaryWriter:
         _open_writers.add(self)
 
     # -- aggregators ---------------------------------------------------------------------------
+    def _open_shards(self, client: Any, n_shards: int | None, aggregators: list | None) -> tuple[list[_Shard], bool]:
+        """The shards this writer sends to, and whether it started (and so owns) their aggregators:
+        those of a copy unpickled in another process, new ones on ``client``'s workers, or one
+        local shard writing files from this process."""
+        if aggregators is not None:  # a copy unpickled in another process
+            return [_Shard(index, self.restart_policy, actor) for index, actor in enumerate(aggregators)], False
+        if client is not None:
+            return self._start_aggregators(client, n_shards), True
+        return [_Shard(0, self.restart_policy)], False
+
     def _start_aggregators(self, client, n_shards: int | None) -> list[_Shard]:
         workers = self.placement.candidates(client)
         if not workers:
@@ -454,8 +457,7 @@ class SummaryWriter:
     def text(self, name: str, text: str, step: int, *, sample_rate: float | None = None) -> bool:
         """Log a string (at most ``MAX_TEXT_BYTES`` in UTF-8)."""
         _check_name(name)
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        _checks.instance(text, "text", str, "a str")
         step = _checks.int64(step, "step")
         data = text.encode("utf-8")
         if len(data) > MAX_TEXT_BYTES:

@@ -1,4 +1,9 @@
-"""The CARLS trainer (paper section 3.3): checkpoints, input pipeline with bank knowledge, losses."""
+"""The CARLS trainer (paper section 3.3): checkpoints, input pipeline with bank knowledge, losses.
+
+The trainer's jitted step (``carlskit/_step.py``: the loss's gradient with respect to the model's
+``nnx.Param`` variables, applied by an ``nnx.Optimizer``) is the one that
+:meth:`carlskit.moe.MoEModel.fit` takes too. Widgets (the live plot) are imported only when a fit displays them.
+"""
 
 from carlskit.training._checkpoint import CheckpointStore, restore_model
 from carlskit.training._knowledge import BankNegatives, MinedLabels, NeighborKnowledge, check_embedding_dim

@@ -26,7 +26,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit._checks import positive_int
+from carlskit._checks import instance, integer, positive_int
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import (
     arrays_to_npz_bytes,
@@ -156,11 +156,9 @@ class CheckpointStore:
         array of numbers, bools or strings (it would need pickle) or metadata that is not a
         JSON-serializable dict. Nothing is written then.
         """
-        if isinstance(version, bool) or not isinstance(version, (int, np.integer)) or version < 0:
-            raise ValueError(f"version must be a non-negative int, got {version!r}")
-        if metadata is not None and not isinstance(metadata, dict):
-            raise TypeError(f"metadata must be a dict or None, got {type(metadata).__name__}")
-        version = int(version)
+        version = integer(version, "version", 0)
+        if metadata is not None:
+            instance(metadata, "metadata", dict, "a dict or None")
         latest = self.latest()
         if latest is not None and version <= latest:
             raise ValueError(f"version {version} is not newer than the latest checkpoint {latest}")

@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from carlskit._checks import positive_int
+from carlskit._checks import instance, integer, positive_int
 from carlskit.bank import ShardLostError
 from carlskit.training._pipeline import Batch
 
@@ -194,7 +194,7 @@ class BankNegatives:
 
     def __init__(self, bank: Any, tables: dict[str, str], *, num_negatives: int, candidates: Any,
                  key: str = "ids", seed: int = 0):
-        if not isinstance(tables, dict) or not tables:
+        if not instance(tables, "tables", dict, "a non-empty dict {table: name}"):
             raise ValueError(f"tables must be a non-empty dict {{table: name}}, got {tables!r}")
         for table in tables:
             table_config(bank, table, "embedding")
@@ -202,9 +202,7 @@ class BankNegatives:
         if candidates.ndim != 1 or candidates.dtype.kind not in "iu" or len(candidates) == 0:
             raise ValueError(f"candidates must be a non-empty 1-D array of int keys, got {candidates.dtype} "
                              f"{candidates.shape}")
-        if isinstance(num_negatives, bool) or not isinstance(num_negatives, int) or \
-                not 1 <= num_negatives < len(candidates):
-            raise ValueError(f"num_negatives must be an int in [1, {len(candidates) - 1}], got {num_negatives!r}")
+        num_negatives = integer(num_negatives, "num_negatives", 1, len(candidates) - 1)
         self.bank, self.tables, self.key = bank, dict(tables), key
         self.num_negatives = num_negatives
         self.candidates = candidates.astype(np.int64)

@@ -20,8 +20,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from carlskit._checks import positive_int
+from carlskit._checks import instance, positive_int
 from carlskit._notebook import in_notebook
+from carlskit._step import make_train_step
 from carlskit.bank import ShardLostError
 from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
@@ -106,10 +107,8 @@ class Trainer:
         summaries: Any = None,
         prefetch: int = 2,
     ):
-        if not isinstance(model, nnx.Module):
-            raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}")
-        if not isinstance(optimizer, optax.GradientTransformation):
-            raise TypeError(f"optimizer must be an optax GradientTransformation, got {type(optimizer).__name__}")
+        instance(model, "model", nnx.Module, "a flax.nnx.Module")
+        instance(optimizer, "optimizer", optax.GradientTransformation, "an optax GradientTransformation")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable as loss_fn(model, batch), got {type(loss_fn).__name__}")
         if knowledge is not None and not callable(knowledge):
@@ -124,8 +123,8 @@ class Trainer:
         self.knowledge = knowledge
         if isinstance(checkpoints, (str, os.PathLike)):
             checkpoints = CheckpointStore(checkpoints)
-        if checkpoints is not None and not isinstance(checkpoints, CheckpointStore):
-            raise TypeError(f"checkpoints must be a CheckpointStore, a path or None, got {type(checkpoints).__name__}")
+        if checkpoints is not None:
+            instance(checkpoints, "checkpoints", CheckpointStore, "a CheckpointStore, a path or None")
         prefetch = positive_int(prefetch, "prefetch")
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
@@ -153,24 +152,12 @@ class Trainer:
 
     # -- state -----------------------------------------------------------------------------------
     def _make_step(self):
-        graphdef, loss_fn = self._graphdef, self.loss_fn
+        loss_fn = self.loss_fn
 
         def checked_loss(model, batch):  # runs at trace time only: no cost per step
             return _check_loss_output(loss_fn(model, batch))
 
-        def train_step(state, batch):
-            model, optimizer = nnx.merge(graphdef, state)
-            (loss, metrics), grads = nnx.value_and_grad(checked_loss, has_aux=True)(model, batch)
-            optimizer.update(model, grads)
-            new_state = nnx.state((model, optimizer))
-            # A finite loss can still come with non-finite gradients (e.g. sqrt at 0): one fused
-            # reduction over the new weights and optimizer state, read with the loss.
-            finite = jax.numpy.all(jax.numpy.array(
-                [jax.numpy.isfinite(leaf).all() for leaf in jax.tree.leaves(new_state)
-                 if jax.numpy.issubdtype(leaf.dtype, jax.numpy.inexact)] or [True]))
-            return new_state, loss, metrics, finite
-
-        return train_step
+        return make_train_step(self._graphdef, checked_loss)
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
@@ -251,38 +238,8 @@ class Trainer:
         the steps since the last checkpoint: the fit is resubmitted under ``restart_policy`` (see
         :mod:`carlskit.training._remote`).
         """
-        steps = positive_int(steps, "steps")
-        placement = None
-        if client is not None:
-            placement = Placement.of(workers, resources)
-            if not callable(getattr(client, "submit", None)):
-                raise TypeError(f"client must be a dask.distributed.Client, got {type(client).__name__}")
-            restart_policy_of(restart_policy)  # checked now, not after the first lost worker
-        elif workers is not None or resources is not None or restart_policy is not None:
-            raise ValueError("workers=, resources= and restart_policy= place a fit on a Dask worker: pass client= too")
-        if self._fitting:
-            raise RuntimeError("this trainer is already fitting (a background fit is running); "
-                               "stop() or wait() on its FitHandle first")
-        latest = None if self.checkpoints is None else self.checkpoints.latest()
-        if latest is not None and latest > self.step:
-            raise ValueError(f"the checkpoint store {self.checkpoints.path!r} holds version {latest}, newer than "
-                             f"this trainer's step {self.step}: its checkpoints would go backwards; restore() "
-                             f"the latest version or train into another store")
-        live = in_notebook() if live is None else live
-        plot = None
-        if live:
-            from IPython.display import display
-
-            logdir = getattr(self.summaries, "logdir", None)
-            if logdir is not None:  # the summaries' own live view, reading what the writer flushes
-                from carlskit.widgets import LiveSummaries
-
-                display(LiveSummaries(logdir, names=["train/loss", "train/staleness"]))
-            else:
-                from carlskit.widgets import LivePlot
-
-                plot = LivePlot("Trainer")
-                display(plot.widget)  # from the calling thread; the training thread only sets values
+        steps, placement = self._check_fit(steps, client, workers, resources, restart_policy)
+        plot = self._show_live(in_notebook() if live is None else live)
         from tqdm.auto import tqdm
 
         # Created here, in the calling thread: a notebook shows it in the cell that called fit, not in
@@ -302,6 +259,49 @@ class Trainer:
             finally:
                 self._fitting = False
             return self.history
+        return self._start_in_background(run_steps, stop)
+
+    def _check_fit(self, steps: Any, client: Any, workers: Any, resources: Any,
+                   restart_policy: Any) -> tuple[int, Placement | None]:
+        """``fit``'s arguments checked (and the trainer able to fit) before anything starts."""
+        steps = positive_int(steps, "steps")
+        placement = None
+        if client is not None:
+            placement = Placement.of(workers, resources)
+            if not callable(getattr(client, "submit", None)):
+                raise TypeError(f"client must be a dask.distributed.Client, got {type(client).__name__}")
+            restart_policy_of(restart_policy)  # checked now, not after the first lost worker
+        elif workers is not None or resources is not None or restart_policy is not None:
+            raise ValueError("workers=, resources= and restart_policy= place a fit on a Dask worker: pass client= too")
+        if self._fitting:
+            raise RuntimeError("this trainer is already fitting (a background fit is running); "
+                               "stop() or wait() on its FitHandle first")
+        latest = None if self.checkpoints is None else self.checkpoints.latest()
+        if latest is not None and latest > self.step:
+            raise ValueError(f"the checkpoint store {self.checkpoints.path!r} holds version {latest}, newer than "
+                             f"this trainer's step {self.step}: its checkpoints would go backwards; restore() "
+                             f"the latest version or train into another store")
+        return steps, placement
+
+    def _show_live(self, live: bool) -> Any:
+        """Display the live view (widgets imported only here); returns the ``LivePlot`` to update, if any."""
+        if not live:
+            return None
+        from IPython.display import display
+
+        logdir = getattr(self.summaries, "logdir", None)
+        if logdir is not None:  # the summaries' own live view, reading what the writer flushes
+            from carlskit.widgets import LiveSummaries
+
+            display(LiveSummaries(logdir, names=["train/loss", "train/staleness"]))
+            return None
+        from carlskit.widgets import LivePlot
+
+        plot = LivePlot("Trainer")
+        display(plot.widget)  # from the calling thread; the training thread only sets values
+        return plot
+
+    def _start_in_background(self, run_steps: Callable[[], None], stop: threading.Event) -> FitHandle:
         handle = None
 
         def run():
@@ -335,48 +335,14 @@ class Trainer:
             for _ in range(steps):
                 if stop.is_set():
                     break
-                try:
-                    batch = next(prefetcher)
-                except StopIteration:
+                batch = self._next_batch(prefetcher)
+                if batch is None:
                     break
-                except ShardLostError:  # unrecoverable (no snapshots): stop, resumable from here
-                    self.sync()
-                    self.save_checkpoint()
-                    raise
-                if not isinstance(batch, dict):
-                    raise TypeError(f"each batch must be a dict of arrays, got {type(batch).__name__} "
-                                    f"at step {self.step + 1}")
-                statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
-                arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
-                start = time.perf_counter()
-                try:
-                    state, loss, metrics, finite = self._train_step(self._state, arrays)
-                except (TypeError, ValueError) as error:  # e.g. a batch of the wrong shape for the model
-                    shapes = {k: (np.shape(v), str(getattr(v, "dtype", type(v).__name__))) for k, v in arrays.items()}
-                    kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
-                    raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
-                                      f"{error}") from error
-                loss, finite = jax.device_get((loss, finite))  # the step's one host sync
-                loss = float(loss)
-                if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
-                    raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
-                                     f"the step was not applied (the model is as after step {self.step})")
-                if not finite:
-                    raise ValueError(f"step {self.step + 1} produced non-finite weights or optimizer state "
-                                     f"(NaN or infinite gradients from a finite loss {loss}); the step was not "
-                                     f"applied (the model is as after step {self.step})")
-                with self._lock:
-                    self._state = state
-                self.step += 1
-                record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
-                          **{k: float(v) for k, v in metrics.items()},
-                          **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
-                if "embedding_version" in record:  # knowledge read from the bank: how stale was it?
-                    record["staleness"] = record["step"] - 1 - record["embedding_version"]
+                record = self._step_on(batch)
                 self.history.append(record)
                 self._log(record)
                 bar.update(1)
-                bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
+                bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
                 if self.step % self.checkpoint_every == 0:
                     self.sync()
                     self.save_checkpoint()
@@ -388,6 +354,53 @@ class Trainer:
             self.sync()
             if plot is not None:
                 plot.update(self._series(), force=True)
+
+    def _next_batch(self, prefetcher: Prefetcher) -> Batch | None:
+        """The next batch, None when the data ends; a lost bank shard that could not be rebuilt
+        publishes a checkpoint of the last finished step (resumable from there) and re-raises."""
+        try:
+            batch = next(prefetcher)
+        except StopIteration:
+            return None
+        except ShardLostError:  # unrecoverable (no snapshots): stop, resumable from here
+            self.sync()
+            self.save_checkpoint()
+            raise
+        if not isinstance(batch, dict):
+            raise TypeError(f"each batch must be a dict of arrays, got {type(batch).__name__} "
+                            f"at step {self.step + 1}")
+        return batch
+
+    def _step_on(self, batch: Batch) -> dict:
+        """One step on ``batch``, committed only if its loss and new state are finite; its record."""
+        statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
+        arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
+        start = time.perf_counter()
+        try:
+            state, loss, metrics, finite = self._train_step(self._state, arrays)
+        except (TypeError, ValueError) as error:  # e.g. a batch of the wrong shape for the model
+            shapes = {k: (np.shape(v), str(getattr(v, "dtype", type(v).__name__))) for k, v in arrays.items()}
+            kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
+            raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
+                       f"{error}") from error
+        loss, finite = jax.device_get((loss, finite))  # the step's one host sync
+        loss = float(loss)
+        if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
+            raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
+                             f"the step was not applied (the model is as after step {self.step})")
+        if not finite:
+            raise ValueError(f"step {self.step + 1} produced non-finite weights or optimizer state "
+                             f"(NaN or infinite gradients from a finite loss {loss}); the step was not "
+                             f"applied (the model is as after step {self.step})")
+        with self._lock:
+            self._state = state
+        self.step += 1
+        record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
+                  **{k: float(v) for k, v in metrics.items()},
+                  **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
+        if "embedding_version" in record:  # knowledge read from the bank: how stale was it?
+            record["staleness"] = record["step"] - 1 - record["embedding_version"]
+        return record
 
     def _place(self, arrays: dict) -> dict:
         if self._mesh is None:

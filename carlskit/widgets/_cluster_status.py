@@ -9,6 +9,7 @@ from typing import Any
 
 import ipywidgets
 
+from carlskit._checks import positive_float
 from carlskit.widgets._display import PeriodicThread, WidgetDisplay, html_table, text_table
 
 StatusSource = Any  # an object with ``status() -> dict`` or a callable returning a dict
@@ -65,8 +66,8 @@ class ClusterStatus(WidgetDisplay):
         for source in sources:
             if not (hasattr(source, "status") or callable(source)):
                 raise TypeError(f"each source needs a status() method or must be callable; got {source!r}")
-        if every_seconds is not None and not every_seconds > 0:
-            raise ValueError(f"every_seconds must be > 0 or None, got {every_seconds!r}")
+        if every_seconds is not None:
+            positive_float(every_seconds, "every_seconds")
         self.client, self.sources, self.show_devices = client, sources, show_devices
         self.snapshot: dict[str, Any] = {}
         self._devices: list[dict[str, Any]] | None = None

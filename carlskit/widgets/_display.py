@@ -14,6 +14,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from carlskit._checks import finite_float
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
@@ -44,10 +46,9 @@ def placeholder_png(text: str, width_inches: float = 6.0, height_inches: float =
 
 
 def check_smoothing(weight: Any, name: str = "smoothing") -> float:
-    """``weight`` as a float in [0, 1) (the EMA weight of :func:`smooth`), else a ValueError naming it."""
-    if isinstance(weight, bool) or not isinstance(weight, (int, float, np.integer, np.floating)) or not (
-        0.0 <= weight < 1.0
-    ):
+    """``weight`` as a float in [0, 1) (the EMA weight of :func:`smooth`), else a TypeError (not a
+    number) or ValueError naming it."""
+    if not 0.0 <= finite_float(weight, name) < 1.0:
         raise ValueError(f"{name} must be a number in [0, 1), got {weight!r}")
     return float(weight)
 

@@ -10,8 +10,8 @@ import time
 from collections.abc import Sequence
 
 import ipywidgets
-import numpy as np
 
+from carlskit._checks import integer, positive_float, positive_int
 from carlskit.summaries import SummaryReader
 from carlskit.widgets._display import (
     PeriodicThread,
@@ -69,12 +69,9 @@ class LiveSummaries(WidgetDisplay):
                 raise TypeError("names must be a sequence of str (or None for every scalar)")
             names = list(names)
         self.names = names
-        if isinstance(every_seconds, bool) or not isinstance(every_seconds, (int, float)) or not every_seconds > 0:
-            raise ValueError(f"every_seconds must be a number > 0, got {every_seconds!r}")
-        if isinstance(max_points, bool) or not isinstance(max_points, (int, np.integer)) or max_points < 2:
-            raise ValueError(f"max_points must be an int >= 2, got {max_points!r}")
-        if isinstance(max_panels, bool) or not isinstance(max_panels, (int, np.integer)) or max_panels < 1:
-            raise ValueError(f"max_panels must be an int >= 1, got {max_panels!r}")
+        positive_float(every_seconds, "every_seconds")
+        integer(max_points, "max_points", minimum=2)
+        positive_int(max_panels, "max_panels")
         smoothing = check_smoothing(smoothing)
         self.max_points, self.max_panels = int(max_points), int(max_panels)
         self.width_inches, self.panel_height_inches = width_inches, panel_height_inches

@@ -55,7 +55,7 @@ def test_dense_baseline_and_bad_inputs():
         dense.shard_batch(np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match="max_length"):
         dense.shard_batch(np.zeros((2, LENGTH + 5), np.int32))
-    with pytest.raises(ValueError, match="mesh"):
+    with pytest.raises(TypeError, match="mesh"):  # a wrong type: TypeError since issue 16 (was ValueError)
         tiny(mesh="data")
     with pytest.raises(ValueError, match="num_heads"):
         tiny(num_heads=3)

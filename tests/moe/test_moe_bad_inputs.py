@@ -134,7 +134,7 @@ def test_expert_capacity_names_bad_arguments(args, name, error):
 def test_make_mesh_and_corpus_name_bad_arguments():
     with pytest.raises(ValueError, match="data"):
         make_mesh(0)  # was ZeroDivisionError
-    with pytest.raises(ValueError, match="data"):
+    with pytest.raises(TypeError, match="data"):  # a wrong type: TypeError since issue 16 (was ValueError)
         make_mesh(1.0)
     with pytest.raises(ValueError, match="expert"):
         make_mesh(1, 0)

@@ -26,11 +26,12 @@ def test_non_str_names_raise_instead_of_reading_as_empty(tmp_path):
 def test_max_points_and_level_arguments(tmp_path):
     write_points(tmp_path)
     reader = SummaryReader(tmp_path)
-    with pytest.raises(ValueError, match="max_points"):
+    with pytest.raises(TypeError, match="max_points"):  # TypeError since issue 16 (was ValueError)
         reader.scalars("loss", max_points=True)  # a bool is not a point count
     assert len(reader.scalars("loss", max_points=np.int64(1000))) == 40  # NumPy ints are counts
-    for level in ("0", -1, 9):  # "0" read every file again into a separate cache
-        with pytest.raises(ValueError, match="level"):
+    # "0" read every file again into a separate cache; a wrong type: TypeError since issue 16 (was ValueError)
+    for level, error in (("0", TypeError), (-1, ValueError), (9, ValueError)):
+        with pytest.raises(error, match="level"):
             reader.refresh(level)
     assert reader.count("loss") == 40
 

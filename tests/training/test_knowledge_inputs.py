@@ -50,5 +50,5 @@ def test_tables_of_the_wrong_kind_or_fields_are_named(bank):
         MinedLabels(bank, table="emb")
     with pytest.raises(ValueError, match="table 'nbrs' must be an embedding table"):
         check_embedding_dim(bank, "nbrs", 2)
-    with pytest.raises(ValueError, match="num_negatives"):
+    with pytest.raises(TypeError, match="num_negatives"):  # a bool is not an int: TypeError since issue 16
         BankNegatives(bank, {"emb": "x"}, num_negatives=True, candidates=np.arange(10))

@@ -103,7 +103,7 @@ def test_store_argument_types():
     with pytest.raises(TypeError, match="keep"):
         CheckpointStore("memory://rv-training-keep", keep=True)
     store = CheckpointStore("memory://rv-training-version")
-    with pytest.raises(ValueError, match="version"):
+    with pytest.raises(TypeError, match="version"):  # a bool is not an int: TypeError since issue 16 (was ValueError)
         store.save({"w": np.zeros(1)}, version=True)
 
 

@@ -9,10 +9,12 @@ import pytest
 from carlskit.widgets import EvalCurves, LivePlot, LiveSummaries, curves_frame, smooth
 
 
-@pytest.mark.parametrize("weight", [1.0, 2.0, -0.5, float("nan"), "0.5"])
-def test_smooth_rejects_weights_outside_zero_one(weight):
+@pytest.mark.parametrize("weight, error", [(1.0, ValueError), (2.0, ValueError), (-0.5, ValueError),
+                                           (float("nan"), ValueError), ("0.5", TypeError)])
+def test_smooth_rejects_weights_outside_zero_one(weight, error):
     # Before: 1.0 -> ZeroDivisionError, 2.0 -> a silently wrong curve, -0.5 / NaN -> silently unsmoothed / all NaN.
-    with pytest.raises(ValueError, match="weight"):
+    # A string is a wrong type: TypeError since issue 16 (was ValueError).
+    with pytest.raises(error, match="weight"):
         smooth(np.arange(5.0), weight)
 
 
@@ -30,9 +32,12 @@ def test_live_plot_checks_smoothing():
 def test_live_summaries_keeps_the_smoothing_it_accepts(tmp_path):
     live = LiveSummaries(tmp_path, smoothing=0.995)
     assert live.smoothing == 0.995  # the slider silently clamped it to 0.99
-    for kwargs, name in ((dict(max_panels=0), "max_panels"), (dict(max_points=True), "max_points"),
-                         (dict(every_seconds="1"), "every_seconds"), (dict(smoothing=1.0), "smoothing")):
-        with pytest.raises(ValueError, match=name):
+    # A bool or a string is a wrong type: TypeError since issue 16 (was ValueError).
+    for kwargs, name, error in ((dict(max_panels=0), "max_panels", ValueError),
+                                (dict(max_points=True), "max_points", TypeError),
+                                (dict(every_seconds="1"), "every_seconds", TypeError),
+                                (dict(smoothing=1.0), "smoothing", ValueError)):
+        with pytest.raises(error, match=name):
             LiveSummaries(tmp_path, **kwargs)
 
 

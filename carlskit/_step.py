@@ -1,0 +1,46 @@
+"""One training step, shared by :class:`carlskit.training.Trainer` and :meth:`carlskit.moe.MoEModel.fit`.
+
+The step is a pure function of the ``(model, nnx.Optimizer)`` state and a batch: a fix to it is one
+edit that both training loops see.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+StepFn = Callable[[nnx.State, Any], tuple[nnx.State, jax.Array, dict, jax.Array]]
+
+
+def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable[[nnx.Module, Any], tuple[jax.Array, dict]], *,
+                    check_finite: bool = True) -> StepFn:
+    """``train_step(state, batch) -> (new_state, loss, metrics, finite)`` for the state of
+    ``nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))`` (``graphdef`` from that split).
+
+    The gradient of ``loss_fn(model, batch) -> (loss, metrics)`` with respect to the model's
+    ``nnx.Param`` variables is applied by the optimizer (``tx.update``, then ``optax.apply_updates``).
+    ``finite`` is True when every inexact leaf of the new state (weights and optimizer state) is
+    finite: a finite loss can still come with non-finite gradients (e.g. sqrt at 0). With
+    ``check_finite=False`` that reduction is skipped and ``finite`` is a constant True. Pure: the
+    caller jits it (with whatever shardings its state and batch carry).
+    """
+
+    def train_step(state: nnx.State, batch: Any):
+        model, optimizer = nnx.merge(graphdef, state)
+        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        optimizer.update(model, grads)
+        new_state = nnx.state((model, optimizer))
+        finite = all_finite(new_state) if check_finite else jnp.asarray(True)
+        return new_state, loss, metrics, finite
+
+    return train_step
+
+
+def all_finite(tree: Any) -> jax.Array:
+    """One fused reduction: True when every inexact (floating or complex) leaf of ``tree`` is finite."""
+    leaves = [jnp.isfinite(leaf).all() for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+    return jnp.all(jnp.array(leaves or [True]))
