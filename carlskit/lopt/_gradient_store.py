@@ -13,7 +13,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from carlskit.lopt._checks import positive_int
+from carlskit._checks import positive_int
 
 RECORD_FIELDS = ("id", "grad", "outer_step", "task_family", "losses", "outer_loss", "worker", "seconds")
 
