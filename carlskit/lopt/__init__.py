@@ -16,7 +16,8 @@ The layout, one concept per module:
 * The outer step (``_outer``), one core: ``worker_estimate`` (an estimate packed as a gradient
   record, ``Estimators`` caching one estimator per task structure, ``OuterStream`` the task and
   keys of each step) and ``learner_apply`` (judge records, the NaN guard, average, apply the outer
-  optimizer to a ``LearnerState`` under a ``LearnerConfig``).
+  optimizer to a ``LearnerState`` under a ``LearnerConfig``); ``self_optimizer``, the learned
+  optimizer as its own outer optimizer (self-training, ``outer_optimizer="self"``).
 * Single process: ``LearnedOptimizer`` (``as_optax``, save/load, ``pretrained``,
   ``meta_train`` = ``worker_estimate`` + ``learner_apply`` in a loop), ``LearnableAdam``,
   ``optax_train_curves``, ``tuned_sgd_learning_rate``.
@@ -61,6 +62,7 @@ from carlskit.lopt._outer import (
     LearnerState,
     OuterStream,
     learner_apply,
+    self_optimizer,
     worker_estimate,
 )
 from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
@@ -74,6 +76,6 @@ __all__ = [
     "QuadraticFamily", "QuadraticTask", "Task", "TaskFamily", "UpdateRule", "aggregate_losses",
     "antithetic_combine", "default_eval_task_sets", "evaluation_curves", "full_es_gradient", "init_inner_state",
     "inner_step", "learner_apply", "make_full_es_estimator", "make_pes_estimator", "optax_train_curves",
-    "pes_gradient", "pes_init_state", "task_mesh", "train_task", "train_tasks_serial", "train_tasks_vectorized",
-    "tuned_sgd_learning_rate", "unroll", "worker_estimate",
+    "pes_gradient", "pes_init_state", "self_optimizer", "task_mesh", "train_task", "train_tasks_serial",
+    "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll", "worker_estimate",
 ]

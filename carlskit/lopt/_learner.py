@@ -47,7 +47,14 @@ import optax
 from carlskit._checks import integer, positive_float, positive_int
 from carlskit.lopt._checks import check_meta_params
 from carlskit.lopt._gradient_store import call
-from carlskit.lopt._outer import REJECTION_REASONS, LearnerConfig, LearnerState, Verdict, learner_apply
+from carlskit.lopt._outer import (
+    REJECTION_REASONS,
+    LearnerConfig,
+    LearnerState,
+    Verdict,
+    learner_apply,
+    outer_optimizer_of,
+)
 from carlskit.lopt._protocols import UpdateRule
 from carlskit.lopt._rules import rule_to_config
 from carlskit.training import CheckpointStore
@@ -106,7 +113,8 @@ class Learner:
       checkpoint_path: directory (or fsspec URL) of the meta-parameter checkpoints.
       initial_meta_params: where to start when there is no checkpoint yet (default
         ``rule.init_meta_params(PRNGKey(seed))``).
-      outer_optimizer: optax transformation on the meta-parameters (default ``optax.adam(3e-3)``).
+      outer_optimizer: optax transformation on the meta-parameters (default ``optax.adam(3e-3)``), or
+        ``"self"``: the learned optimizer the current meta-parameters define (:func:`self_optimizer`).
       max_staleness: gradients more than this many outer steps old are dropped (paper: 5).
       max_gradients_per_update: records taken from the store per update.
       checkpoint_every_seconds: checkpoint period (paper: 10 minutes).
@@ -114,7 +122,7 @@ class Learner:
     """
 
     def __init__(self, rule: UpdateRule, store: Any, checkpoint_path: str, *, initial_meta_params: PyTree | None = None,
-                 outer_optimizer: optax.GradientTransformation | None = None, max_staleness: int = 5,
+                 outer_optimizer: optax.GradientTransformation | str | None = None, max_staleness: int = 5,
                  max_gradients_per_update: int = 64, checkpoint_every_seconds: float = 600.0,
                  logdir: str | None = None, seed: int = 0, keep_checkpoints: int | None = None) -> None:
         self.max_staleness = integer(max_staleness, "max_staleness", 0)
@@ -122,7 +130,7 @@ class Learner:
         self.checkpoint_every_seconds = positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
         seed = integer(seed, "seed", 0)
         self.rule, self.store = rule, store
-        self.outer_optimizer = optax.adam(3e-3) if outer_optimizer is None else outer_optimizer
+        self.outer_optimizer = outer_optimizer_of(outer_optimizer, rule)
         self.config = LearnerConfig.of(rule, self.outer_optimizer, self.max_staleness)
         self._lock = threading.Lock()
 

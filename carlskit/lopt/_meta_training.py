@@ -60,6 +60,7 @@ from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval
 from carlskit.lopt._gradient_store import GradientStore, call
 from carlskit.lopt._learner import Learner, load_newest_intact
 from carlskit.lopt._optimizer import LearnedOptimizer
+from carlskit.lopt._outer import outer_optimizer_of
 from carlskit.lopt._protocols import Task, TaskFamily
 from carlskit.lopt._tasks import as_task_family
 from carlskit.training import CheckpointStore
@@ -111,7 +112,10 @@ class MetaTraining:
       eval_workers: evaluation jobs in flight at most.
       num_tasks, num_steps, std: antithetic pairs per estimate, inner steps per unroll, ES noise.
       max_staleness: gradients older than this many outer steps are dropped (paper: 5).
-      outer_optimizer: optax optimizer of the meta-parameters (default ``optax.adam(3e-3)``).
+      outer_optimizer: optax optimizer of the meta-parameters (default ``optax.adam(3e-3)``), or
+        ``"self"``: self-training, the learner updates the meta-parameters with the learned optimizer
+        they define (:func:`carlskit.lopt.self_optimizer`; pass ``self_optimizer(rule, warmup_steps=...)``
+        for an Adam warm-up first).
       checkpoint_every_seconds: learner checkpoint period (paper: 600).
       eval_task_sets: fixed evaluation sets (default :func:`default_eval_task_sets`).
       ood_tasks: out-of-distribution tasks for the default evaluation sets.
@@ -131,7 +135,7 @@ class MetaTraining:
     def __init__(self, lopt: LearnedOptimizer, task_family: TaskFamily | Task, client: Any = None, *,
                  directory: str | os.PathLike, num_workers: int = 2, eval_workers: int = 1, num_tasks: int = 8,
                  num_steps: int = 50, std: float = 0.01, max_staleness: int = 5,
-                 outer_optimizer: optax.GradientTransformation | None = None,
+                 outer_optimizer: optax.GradientTransformation | str | None = None,
                  checkpoint_every_seconds: float = 600.0, eval_task_sets: list[EvalTaskSet] | None = None,
                  ood_tasks: tuple[Task, ...] = (), eval_num_steps: int | None = None,
                  max_gradients_per_update: int = 64, put_every: int = 1, seed: int = 0,
@@ -142,6 +146,7 @@ class MetaTraining:
         if not isinstance(lopt, LearnedOptimizer):
             raise TypeError(f"lopt must be a LearnedOptimizer, got {type(lopt).__name__}")
         family = as_task_family(task_family)
+        outer_optimizer_of(outer_optimizer, lopt.rule)  # checked here; the learner builds its own
         for name, value in (("num_workers", num_workers), ("eval_workers", eval_workers), ("num_tasks", num_tasks),
                             ("num_steps", num_steps), ("max_gradients_per_update", max_gradients_per_update)):
             positive_int(value, name)

@@ -23,7 +23,14 @@ from carlskit._errors import CorruptFileError
 from carlskit.lopt._checks import check_meta_params, check_real_floating, check_same_layout
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
-from carlskit.lopt._outer import Estimators, LearnerConfig, OuterStream, learner_apply, worker_estimate
+from carlskit.lopt._outer import (
+    Estimators,
+    LearnerConfig,
+    OuterStream,
+    learner_apply,
+    outer_optimizer_of,
+    worker_estimate,
+)
 from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
 from carlskit.lopt._tasks import as_task_family
@@ -182,8 +189,11 @@ class LearnedOptimizer:
                    aggregation: str = "mean", seed: int = 0, meta_params: PyTree | None = None,
                    progress: bool = True, live_plot: bool | None = None, plot_every: int = 10,
                    time_budget_s: float | None = None,
-                   callback: Callable[[int, dict[str, float]], None] | None = None) -> "LearnedOptimizer":
-        """Meta-train with ``estimator`` in ``{'pes', 'es'}`` and Adam on the meta-parameters.
+                   callback: Callable[[int, dict[str, float]], None] | None = None,
+                   outer_optimizer: optax.GradientTransformation | str | None = None) -> "LearnedOptimizer":
+        """Meta-train with ``estimator`` in ``{'pes', 'es'}`` and Adam on the meta-parameters
+        (``outer_optimizer``: another optax transformation, or ``"self"`` for self-training, see
+        :func:`carlskit.lopt.self_optimizer`; ``meta_learning_rate`` is Adam's).
 
         Each outer step samples a task structure from ``task_family`` and runs ``num_tasks``
         antithetic pairs of it vmapped. PES keeps one persistent state per task structure (unrolls
@@ -213,7 +223,7 @@ class LearnedOptimizer:
         if meta_params is None and self.meta_params is None:
             key, init_key = jax.random.split(key)
             meta_params = self.init(init_key)
-        config = LearnerConfig.of(self.rule, optax.adam(meta_learning_rate))
+        config = LearnerConfig.of(self.rule, outer_optimizer_of(outer_optimizer, self.rule, meta_learning_rate))
         state, stream = config.init(self._resolve(meta_params)), OuterStream(family, key, seed)
         display = MetaTrainDisplay(estimator, num_tasks, num_outer_steps, progress, live_plot, plot_every)
         started = time.monotonic()

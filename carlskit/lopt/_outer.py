@@ -285,3 +285,55 @@ def all_finite(tree: PyTree) -> bool:
     """One device-to-host transfer for the whole tree."""
     leaves = jax.tree.leaves(tree)
     return bool(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))) if leaves else True
+
+
+# ----------------------------------------------------------------------------------- self-training
+def self_optimizer(rule: UpdateRule, *, warmup: optax.GradientTransformation | None = None, warmup_steps: int = 0,
+                   time_scale: float = 1.0) -> optax.GradientTransformation:
+    """The learned optimizer as its own outer optimizer (Metz et al. 2022, "... and using them to
+    train themselves"): each outer step updates the meta-parameters ``theta`` with the rule they
+    define, ``updates, s = rule.update(theta, s, g, theta, time_scale)``.
+
+    An untrained rule is a poor optimizer of anything, itself included: for the first
+    ``warmup_steps`` outer steps ``warmup`` (default ``optax.adam(3e-3)``) makes the updates instead
+    (the rule's state, e.g. its momenta, still follows the gradients, so it takes over warm).
+    Pass it as ``outer_optimizer`` to ``meta_train`` or ``MetaTraining`` (``"self"`` there is
+    ``self_optimizer(rule)``: no warm-up).
+    """
+    warmup_steps = integer(warmup_steps, "warmup_steps", 0)
+    time_scale = positive_float(time_scale, "time_scale")
+    if warmup is None and warmup_steps:
+        warmup = optax.adam(3e-3)
+    if warmup is not None and not isinstance(warmup, optax.GradientTransformation):
+        raise TypeError(f"warmup must be an optax GradientTransformation or None, got {type(warmup).__name__}")
+
+    def init(params: PyTree) -> PyTree:
+        return {"rule": rule.init_state(params), "warmup": warmup.init(params) if warmup is not None else (),
+                "count": jnp.zeros((), jnp.int32)}
+
+    def update(grads: PyTree, state: PyTree, params: PyTree | None = None) -> tuple[PyTree, PyTree]:
+        if params is None:
+            raise ValueError("params: self-training reads the meta-parameters; call update(grads, state, params)")
+        updates, rule_state = rule.update(params, state["rule"], grads, params, time_scale)
+        warm_state = state["warmup"]
+        if warmup is not None:
+            warm_updates, warm_state = warmup.update(grads, warm_state, params)
+            in_warmup = state["count"] < warmup_steps
+            updates = jax.tree.map(lambda w, u: jnp.where(in_warmup, w, u), warm_updates, updates)
+        return updates, {"rule": rule_state, "warmup": warm_state, "count": state["count"] + 1}
+
+    return optax.GradientTransformation(init, update)
+
+
+def outer_optimizer_of(value: Any, rule: UpdateRule, learning_rate: float = 3e-3) -> optax.GradientTransformation:
+    """``outer_optimizer`` as an optax transformation: ``None`` is ``optax.adam(learning_rate)``,
+    ``"self"`` is :func:`self_optimizer` of ``rule``; TypeError/ValueError naming it otherwise."""
+    if value is None:
+        return optax.adam(learning_rate)
+    if isinstance(value, str):
+        choice(value, "outer_optimizer", ("self",))
+        return self_optimizer(rule)
+    if not isinstance(value, optax.GradientTransformation):
+        raise TypeError(f"outer_optimizer must be an optax GradientTransformation, 'self' or None, "
+                        f"got {type(value).__name__}")
+    return value

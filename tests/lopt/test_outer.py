@@ -5,6 +5,7 @@ import typing
 import jax
 import numpy as np
 import optax
+import pytest
 
 from carlskit.lopt import (
     DigitsConvTask,
@@ -20,6 +21,7 @@ from carlskit.lopt import (
     TaskFamily,
     UpdateRule,
     evaluation_curves,
+    self_optimizer,
     train_task,
     unroll,
 )
@@ -85,3 +87,40 @@ def test_protocols_are_structural_and_the_code_is_typed_against_them():
     for function in (train_task, unroll, evaluation_curves.__wrapped__):
         hints = typing.get_type_hints(function)
         assert hints["rule"] is UpdateRule and hints["task"] is Task, function
+
+
+def test_self_optimizer_warms_up_with_its_warmup_then_is_the_rule_on_its_own_meta_parameters():
+    rule = LearnableAdamRule(initial_learning_rate=0.1)
+    theta = rule.init_meta_params()
+    grads = jax.tree.map(lambda x: np.ones_like(x) * 0.5, theta)
+    tx = self_optimizer(rule, warmup=optax.sgd(1.0), warmup_steps=1)
+    state = tx.init(theta)
+    first, state = tx.update(grads, state, theta)
+    np.testing.assert_allclose(_flat(first), -_flat(grads))  # warm-up: SGD's step
+    rule_state = rule.update(theta, rule.init_state(theta), grads, theta)[1]
+    second, _ = tx.update(grads, state, theta)
+    np.testing.assert_allclose(_flat(second), _flat(rule.update(theta, rule_state, grads, theta)[0]), rtol=1e-6)
+    with pytest.raises(ValueError, match="outer_optimizer"):
+        LearnableAdam().meta_train(QuadraticTask(4), 1, outer_optimizer="sgd", progress=False)
+    with pytest.raises(TypeError, match="outer_optimizer"):
+        MetaTraining(LearnableAdam(), QuadraticTask(4), None, directory="unused", outer_optimizer=0.1)
+
+
+def test_self_training_runs_on_the_cluster_and_its_outer_loss_falls(tmp_path):
+    """The learner updates the meta-parameters with the learned optimizer they define (here
+    LearnableAdam's Adam, whose learned learning rate is then also the outer one). The outer loss is
+    the mean training loss of a 10-step unroll: measured on 32 fixed instances before and after.
+    Measured (meta_train with outer_optimizer="self", which this run reproduces): 0.33 of the start after
+    20 outer steps (seeds 1, 2: 0.45, 0.34); the learned learning rate went 0.05 -> 0.70 (0.53-1.14)."""
+    task, start = QuadraticTask(4, 10.0, 0.1), LearnableAdam(initial_learning_rate=0.05)
+    training = MetaTraining(start, task, None, directory=tmp_path, num_workers=1, num_tasks=8, num_steps=10,
+                            std=0.01, outer_optimizer="self", max_staleness=0, max_gradients_per_update=1, seed=0,
+                            evaluate=False, summaries=False).start()
+    try:
+        training.wait(20, timeout=300)
+    finally:
+        training.stop(evaluate_final=False)
+    trained = training.learned_optimizer()
+    before = start.train_curves(task, 10, num_tasks=32, seed=99).mean()
+    after = trained.train_curves(task, 10, num_tasks=32, seed=99).mean()
+    assert after < 0.8 * before, (before, after)
