@@ -7,7 +7,9 @@
 One object starts, watches and stops it all from a notebook. With a Dask client the store and the
 learner are actors on one worker (the "service" worker), the ES workers are long-running tasks on
 the others, and evaluation jobs are ordinary tasks. Without a client everything runs in threads of
-this process. A driver thread here calls ``learner.update()`` in a loop.
+this process. A driver thread here calls ``learner.update()`` in a loop. The ES workers and the
+learner are the two halves of the outer core (:mod:`carlskit.lopt._outer`: ``worker_estimate``,
+``learner_apply``) that ``LearnedOptimizer.meta_train`` runs in one process.
 
 Supervision (:mod:`carlskit.cluster._supervised`, one :class:`RestartPolicy` for every service, a
 budget in seconds, default 10 minutes; loss decided by type and actor state, never message text):
