@@ -1,4 +1,6 @@
-"""Inner problems for learned optimizers: ``Task`` and ``TaskFamily`` (Metz et al. 2022, Sec. 4).
+"""The built-in inner problems for learned optimizers (Metz et al. 2022, Sec. 4): quadratics, digits
+MLPs and a digits convnet, their families, and ``as_task_family`` (one ``Task`` as a family). The
+``Task`` and ``TaskFamily`` protocols they implement live in :mod:`carlskit.lopt._protocols`.
 
 A ``Task`` is a frozen, hashable description of one problem *structure* (so it can be a static
 argument of ``jax.jit``). Instances of it differ by ``task_params`` (per-instance constants, e.g.
