@@ -1,13 +1,33 @@
 """Learned optimizers (Metz et al. 2022): per-parameter MLP optimizer, tasks, ES/PES meta-training.
 
-Public names: ``LearnedOptimizer``, ``LearnableAdam``, the pure update rules ``MLPUpdateRule`` and
-``LearnableAdamRule``, tasks (``Task``, ``TaskFamily``, ``QuadraticTask``, ``QuadraticFamily``,
-``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask``), inner training
-(``train_tasks_vectorized``, ``train_tasks_serial``) and the outer-gradient estimators
-(``full_es_gradient``, ``pes_gradient``, ``pes_init_state``, ``make_full_es_estimator``,
-``make_pes_estimator``, ``task_mesh`` for splitting PES pairs over devices), and the meta-training
-cluster (Metz et al. 2022, App. H.1): ``MetaTraining``, ``GradientStore``, ``Learner``,
-``EvaluationChief``, ``EvalTaskSet``, ``default_eval_task_sets``, ``evaluation_curves``.
+The layout, one concept per module:
+
+* Contracts (``_protocols``): ``UpdateRule``, ``Task``, ``TaskFamily``, runtime-checkable
+  ``typing.Protocol`` s in the style of optax's ``GradientTransformation``; every function below
+  is typed against them, and any object with their methods qualifies.
+* Built-ins: rules ``MLPUpdateRule``, ``LearnableAdamRule`` (``_rules``); tasks ``QuadraticTask``,
+  ``QuadraticFamily``, ``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask`` (``_tasks``).
+* Inner training (``_inner``): ``inner_step``, the one inner step that training and evaluation
+  both run; ``unroll``, ``train_task``, ``train_tasks_vectorized``, ``train_tasks_serial``,
+  ``init_inner_state``, ``InnerState``, ``aggregate_losses``.
+* Outer-gradient estimators (``_estimators``, pure): ``full_es_gradient``, ``pes_gradient``,
+  ``pes_init_state``, ``make_full_es_estimator``, ``make_pes_estimator``, ``antithetic_combine``,
+  ``task_mesh`` (split PES pairs over devices), ``PESEstimator``, ``PESState``.
+* The outer step (``_outer``), one core: ``worker_estimate`` (an estimate packed as a gradient
+  record, ``Estimators`` caching one estimator per task structure, ``OuterStream`` the task and
+  keys of each step) and ``learner_apply`` (judge records, the NaN guard, average, apply the outer
+  optimizer to a ``LearnerState`` under a ``LearnerConfig``); ``self_optimizer``, the learned
+  optimizer as its own outer optimizer (self-training, ``outer_optimizer="self"``).
+* Single process: ``LearnedOptimizer`` (``as_optax``, save/load, ``pretrained``,
+  ``meta_train`` = ``worker_estimate`` + ``learner_apply`` in a loop), ``LearnableAdam``,
+  ``optax_train_curves``, ``tuned_sgd_learning_rate``.
+* The meta-training cluster (Metz et al. 2022, App. H.1), the same core distributed: ES workers
+  (``worker_estimate``) -> ``GradientStore`` -> ``Learner`` (``learner_apply``), driven and
+  supervised by ``MetaTraining``; ``EvaluationChief`` with ``EvalTaskSet``,
+  ``default_eval_task_sets`` and ``evaluation_curves`` (which run ``inner_step``).
+
+Nothing here imports ipywidgets, matplotlib or pandas at load: widgets (``carlskit.widgets``)
+are imported where they are shown.
 """
 
 from carlskit.lopt._estimators import (
@@ -27,6 +47,7 @@ from carlskit.lopt._inner import (
     InnerState,
     aggregate_losses,
     init_inner_state,
+    inner_step,
     train_task,
     train_tasks_serial,
     train_tasks_vectorized,
@@ -35,23 +56,26 @@ from carlskit.lopt._inner import (
 from carlskit.lopt._learner import Learner
 from carlskit.lopt._meta_training import MetaTraining
 from carlskit.lopt._optimizer import LearnableAdam, LearnedOptimizer, optax_train_curves, tuned_sgd_learning_rate
-from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
-from carlskit.lopt._tasks import (
-    DigitsConvTask,
-    DigitsMLPFamily,
-    DigitsMLPTask,
-    QuadraticFamily,
-    QuadraticTask,
-    Task,
-    TaskFamily,
+from carlskit.lopt._outer import (
+    Estimators,
+    LearnerConfig,
+    LearnerState,
+    OuterStream,
+    learner_apply,
+    self_optimizer,
+    worker_estimate,
 )
+from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
+from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
+from carlskit.lopt._tasks import DigitsConvTask, DigitsMLPFamily, DigitsMLPTask, QuadraticFamily, QuadraticTask
 
 __all__ = [
-    "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "EvalTaskSet", "EvaluationChief", "GradientStore",
-    "InnerState", "Learner", "MetaTraining", "default_eval_task_sets", "evaluation_curves", "LearnableAdam",
-    "LearnableAdamRule",
-    "LearnedOptimizer", "MLPUpdateRule", "PESEstimator", "PESState", "QuadraticFamily", "QuadraticTask", "Task",
-    "TaskFamily", "aggregate_losses", "antithetic_combine", "full_es_gradient", "init_inner_state",
-    "make_full_es_estimator", "make_pes_estimator", "optax_train_curves", "pes_gradient", "pes_init_state",
-    "task_mesh", "train_task", "train_tasks_serial", "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll",
+    "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet", "EvaluationChief",
+    "GradientStore", "InnerState", "LearnableAdam", "LearnableAdamRule", "LearnedOptimizer", "Learner",
+    "LearnerConfig", "LearnerState", "MLPUpdateRule", "MetaTraining", "OuterStream", "PESEstimator", "PESState",
+    "QuadraticFamily", "QuadraticTask", "Task", "TaskFamily", "UpdateRule", "aggregate_losses",
+    "antithetic_combine", "default_eval_task_sets", "evaluation_curves", "full_es_gradient", "init_inner_state",
+    "inner_step", "learner_apply", "make_full_es_estimator", "make_pes_estimator", "optax_train_curves",
+    "pes_gradient", "pes_init_state", "self_optimizer", "task_mesh", "train_task", "train_tasks_serial",
+    "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll", "worker_estimate",
 ]

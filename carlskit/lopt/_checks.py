@@ -1,5 +1,7 @@
-"""Argument checks shared by the learned-optimizer code (Python only: they run at construction or
-trace time, never inside a compiled computation).
+"""Argument checks specific to the learned-optimizer code (pytrees of meta-parameters, parameters
+and optimizer state), built on :mod:`carlskit._checks`, which holds the general ones (``integer``,
+``positive_int``, ``finite_float``...; import those from there). Python only: they run at
+construction or trace time, never inside a compiled computation.
 
 Every error names the argument (and, for pytrees, the leaf path) and what was expected.
 """
@@ -11,7 +13,8 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
-from carlskit._checks import finite_float, integer, positive_float, positive_int  # noqa: F401 (re-exported)
+from carlskit._checks import positive_int
+from carlskit.lopt._protocols import UpdateRule
 
 PyTree = Any
 
@@ -66,7 +69,7 @@ def check_same_layout(reference: PyTree, reference_name: str, tree: PyTree, name
                              + (f" (expected {want_shape})" if leading_shape else ""))
 
 
-def check_state_keys(state: Any, keys: tuple[str, ...], rule: Any) -> None:
+def check_state_keys(state: Any, keys: tuple[str, ...], rule: UpdateRule) -> None:
     """``state`` must be the dict ``rule.init_state(params)`` makes (keys ``keys``)."""
     if not isinstance(state, dict) or set(state) != set(keys):
         got = sorted(state) if isinstance(state, dict) else type(state).__name__
@@ -78,7 +81,7 @@ _META_TEMPLATES: dict[Any, PyTree] = {}
 _REAL_FLOATING = frozenset(np.dtype(t) for t in (np.float16, jax.numpy.bfloat16, np.float32, np.float64))
 
 
-def meta_params_template(rule: Any) -> PyTree:
+def meta_params_template(rule: UpdateRule) -> PyTree:
     """Shapes and dtypes of ``rule.init_meta_params(key)`` (``jax.ShapeDtypeStruct`` leaves; cached per rule)."""
     try:
         hash(rule)
@@ -98,9 +101,11 @@ def _matches_template(template: PyTree, meta_params: PyTree) -> bool:
         for leaf, want in zip(leaves, want_leaves))
 
 
-def check_meta_params(rule: Any, meta_params: PyTree, name: str = "meta_params", *, finite: bool = False) -> None:
-    """``meta_params`` must match ``rule.init_meta_params``: pytree structure, leaf shapes, real
-    floating dtypes (and finite values if ``finite``; concrete arrays only)."""
+def check_meta_params(rule: UpdateRule, meta_params: PyTree, name: str = "meta_params", *, finite: bool = False,
+                      structure_error: type[Exception] = TypeError) -> None:
+    """``meta_params`` must match ``rule.init_meta_params``: pytree structure (else
+    ``structure_error``), leaf shapes (else ValueError), real floating dtypes (else TypeError), and
+    finite values if ``finite`` (else ValueError; concrete arrays only)."""
     template = meta_params_template(rule)
     if _matches_template(template, meta_params):
         if finite:
@@ -108,7 +113,7 @@ def check_meta_params(rule: Any, meta_params: PyTree, name: str = "meta_params",
         return
     want_def, got_def = jax.tree.structure(template), jax.tree.structure(meta_params)
     if want_def != got_def:
-        raise TypeError(f"{name}: expected pytree {want_def} (from {type(rule).__name__}.init_meta_params), "
+        raise structure_error(f"{name}: expected pytree {want_def} (from {type(rule).__name__}.init_meta_params), "
                         f"got {got_def}")
     for (path, want), got in zip(jax.tree_util.tree_flatten_with_path(template)[0], jax.tree.leaves(meta_params)):
         if tuple(np.shape(got)) != tuple(want.shape):

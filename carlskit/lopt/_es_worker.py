@@ -1,36 +1,35 @@
 """The ES worker loop of the meta-training cluster (Metz et al. 2022, Appendix H.1).
 
-Each round: fetch ``(outer_step, meta_params)`` from the learner, sample a task structure from the
-family, estimate the outer gradient by antithetic full-unroll ES over ``num_tasks`` vectorized task
-instances (:func:`carlskit.lopt.make_full_es_estimator`), and put the record into the gradient
-store under a unique id (batched: ``put_every`` records per call). A round in which every pair
-diverged (``outer_loss`` NaN, zero gradient) is counted and logged, not put. Meta-parameters from
-the learner that do not fit ``rule`` end the loop with a ValueError naming the leaf. An exception raised while
-estimating is logged, counted and reported, and the loop continues; losing the learner or the
-store (their worker died) ends the loop with that error: its supervisor (``MetaTraining``'s
-:class:`carlskit.cluster._supervised.LongRunningTasks` with ``hold``) keeps it waiting, with no
-failure counted, until the learner is rebuilt, then relaunches it with the new actors.
+Each round: fetch ``(outer_step, meta_params)`` from the learner, take that step's task structure
+and keys from the worker's :class:`carlskit.lopt._outer.OuterStream`, estimate the outer gradient
+by antithetic full-unroll ES over ``num_tasks`` vectorized task instances
+(:func:`carlskit.lopt._outer.worker_estimate`, the same call ``meta_train`` makes), and put the
+record into the gradient store (batched: ``put_every`` records per call). A round in which every
+pair diverged (``outer_loss`` NaN, zero gradient) is counted and logged, not put. Meta-parameters
+from the learner that do not fit ``rule`` end the loop with a ValueError naming the leaf. An
+exception raised while estimating is logged, counted and reported, and the loop continues; losing
+the learner or the store (their worker died) ends the loop with that error: its supervisor
+(``MetaTraining``'s :class:`carlskit.cluster._supervised.LongRunningTasks` with ``hold``) keeps it
+waiting, with no failure counted, until the learner is rebuilt, then relaunches it with the new
+actors (the next ``launch``: a stream of its own).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import numbers
-import time
 import traceback
-import uuid
 from typing import Any
 
 import jax
-import numpy as np
 
+from carlskit._checks import integer, positive_float, positive_int
 from carlskit.cluster._supervised import log_worker_event, secede_if_on_worker
-from carlskit.lopt._checks import check_meta_params, positive_float, positive_int
-from carlskit.lopt._estimators import make_full_es_estimator
+from carlskit.lopt._checks import check_meta_params
 from carlskit.lopt._gradient_store import call
 from carlskit.lopt._inner import check_aggregation
-from carlskit.lopt._learner import meta_params_structure
+from carlskit.lopt._outer import Estimators, OuterStream, informative, meta_params_structure, worker_estimate
+from carlskit.lopt._protocols import TaskFamily, UpdateRule
 
 logger = logging.getLogger("carlskit.lopt.workers")
 
@@ -51,9 +50,7 @@ class ESWorkerConfig:
             object.__setattr__(self, name, positive_int(getattr(self, name), name))
         object.__setattr__(self, "std", positive_float(self.std, "std"))
         check_aggregation(self.aggregation)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral) or self.seed < 0:
-            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
-        object.__setattr__(self, "seed", int(self.seed))
+        object.__setattr__(self, "seed", integer(self.seed, "seed", 0))
 
 
 def report_event(topic: str, message: dict) -> None:
@@ -62,21 +59,30 @@ def report_event(topic: str, message: dict) -> None:
         logger.debug("%s: %s", topic, message)
 
 
-def task_label(task: Any) -> str:
-    """The task family name a gradient is filed under: the task structure's repr."""
-    return repr(task)
+class _Rounds:
+    """Which round at the current outer step a worker is in (0 for the first estimate at a step)."""
+
+    def __init__(self) -> None:
+        self.step, self.round = -1, 0
+
+    def at(self, outer_step: int) -> int:
+        self.round = self.round + 1 if outer_step == self.step else 0
+        self.step = outer_step
+        return self.round
 
 
-def run_es_worker(index: int, learner: Any, store: Any, family: Any, rule: Any, config: ESWorkerConfig,
-                  stop: Any, topic: str, logdir: str | None = None, max_rounds: int | None = None) -> int:
-    """Estimate and store outer gradients until ``stop`` is set; returns the records put."""
+def run_es_worker(index: int, learner: Any, store: Any, family: TaskFamily, rule: UpdateRule, config: ESWorkerConfig,
+                  stop: Any, topic: str, logdir: str | None = None, max_rounds: int | None = None,
+                  launch: int = 0) -> int:
+    """Estimate and store outer gradients until ``stop`` is set; returns the records put.
+
+    ``launch`` counts the runs of worker ``index`` (its supervisor's relaunches): each draws its
+    own :class:`OuterStream`, worker 0's first the one ``meta_train`` draws for ``config.seed``."""
     secede_if_on_worker()
     treedef, _ = meta_params_structure(rule)
-    # A relaunched worker must not repeat its predecessor's perturbations: fresh entropy per start.
-    start_entropy = uuid.uuid4().int & 0xFFFFFFFF
-    rng = np.random.default_rng([config.seed, index, start_entropy])
-    key = jax.random.PRNGKey(int(rng.integers(2**31)))
-    estimators: dict[Any, Any] = {}
+    stream, rounds_at = OuterStream.for_worker(family, config.seed, index, launch), _Rounds()
+    estimators = Estimators(rule, "es", num_tasks=config.num_tasks, num_steps=config.num_steps, std=config.std,
+                            aggregation=config.aggregation)
     writer = None
     if logdir is not None:
         from carlskit.summaries import SummaryWriter
@@ -93,41 +99,33 @@ def run_es_worker(index: int, learner: Any, store: Any, family: Any, rule: Any, 
             meta_params = jax.tree.unflatten(treedef, leaves)
             check_meta_params(rule, meta_params, "learner meta_params")
             try:
-                started = time.perf_counter()
-                task = family.sample(rng)
-                if task not in estimators:
-                    estimators[task] = make_full_es_estimator(rule, task, num_tasks=config.num_tasks,
-                                                              num_steps=config.num_steps, std=config.std,
-                                                              aggregation=config.aggregation)
-                key, step_key = jax.random.split(key)
-                grad, metrics = estimators[task](meta_params, step_key)
-                record = {"id": f"{index}-{uuid.uuid4().hex}", "grad": [np.asarray(g) for g in jax.tree.leaves(grad)],
-                          "outer_step": int(outer_step), "task_family": task_label(task),
-                          "losses": np.asarray(metrics["pair_losses"]), "outer_loss": float(metrics["outer_loss"]),
-                          "worker": index, "seconds": time.perf_counter() - started}
+                task, key, _ = stream.at(int(outer_step), rounds_at.at(int(outer_step)))
+                record = worker_estimate(estimators, meta_params, task, key, outer_step, worker=index)
             except Exception as error:  # the worker's own failure: log it, count it, go on
                 errors += 1
                 logger.error("ES worker %d: %s", index, "".join(traceback.format_exception(error)))
                 report_event(topic, {"worker": index, "error": f"{type(error).__name__}: {error}"})
-                if writer is not None:
-                    writer.scalar(f"worker{index}/errors", errors, rounds)
+                _scalar(writer, f"worker{index}/errors", errors, rounds)
                 continue
-            if not np.isfinite(record["outer_loss"]):  # every pair diverged: the zero gradient says nothing
+            if not informative(record):  # every pair diverged: the zero gradient says nothing
                 diverged += 1
                 logger.warning("ES worker %d: every pair diverged on %s; no record put", index, record["task_family"])
-                if writer is not None:
-                    writer.scalar(f"worker{index}/diverged_rounds", diverged, rounds)
+                _scalar(writer, f"worker{index}/diverged_rounds", diverged, rounds)
                 continue
             pending.append(record)
             if len(pending) >= config.put_every:
                 put += call(store, "put_many", pending)
                 pending = []
-            if writer is not None:
-                writer.scalar(f"worker{index}/outer_loss", record["outer_loss"], outer_step)
-                writer.scalar(f"worker{index}/estimate_seconds", record["seconds"], outer_step)
+            _scalar(writer, f"worker{index}/outer_loss", record["outer_loss"], outer_step)
+            _scalar(writer, f"worker{index}/estimate_seconds", record["seconds"], outer_step)
         if pending:
             put += call(store, "put_many", pending)
     finally:
         if writer is not None:
             writer.close()
     return put
+
+
+def _scalar(writer: Any, name: str, value: float, step: int) -> None:
+    if writer is not None:
+        writer.scalar(name, value, step)

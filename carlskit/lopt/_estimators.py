@@ -32,8 +32,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from carlskit.lopt._checks import check_meta_params, meta_params_template, positive_float, positive_int
+from carlskit._checks import positive_float, positive_int
+from carlskit.lopt._checks import check_meta_params, meta_params_template
 from carlskit.lopt._inner import InnerState, aggregate_losses, check_aggregation, init_inner_state, unroll
+from carlskit.lopt._protocols import Task, UpdateRule
 
 PyTree = Any
 
@@ -71,7 +73,7 @@ def _metrics(pair_losses: jax.Array, valid: jax.Array) -> dict[str, jax.Array]:
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "task", "num_steps", "std", "aggregation"))
-def full_es_gradient(meta_params: PyTree, key: jax.Array, task_keys: jax.Array, *, rule: Any, task: Any,
+def full_es_gradient(meta_params: PyTree, key: jax.Array, task_keys: jax.Array, *, rule: UpdateRule, task: Task,
                      num_steps: int, std: float = 0.01, aggregation: str = "mean",
                      time_scale: float = 1.0) -> tuple[PyTree, dict[str, jax.Array]]:
     """Antithetic ES through full unrolls of ``num_steps`` from initialisation.
@@ -122,7 +124,7 @@ def _fresh_tasks(rule, task, meta_params, key, num_tasks):
     return inner, acc, task_keys, task_params
 
 
-def pes_init_state(meta_params: PyTree, key: jax.Array, *, rule: Any, task: Any, num_tasks: int,
+def pes_init_state(meta_params: PyTree, key: jax.Array, *, rule: UpdateRule, task: Task, num_tasks: int,
                    horizon: int, truncation_length: int) -> PESState:
     """Fresh PES state; first episodes end at random multiples of the truncation (staggered tasks).
 
@@ -148,7 +150,7 @@ def _select(mask: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
 
 @functools.partial(jax.jit, static_argnames=("rule", "task", "num_tasks", "horizon", "truncation_length",
                                              "std", "aggregation"))
-def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: Any, task: Any,
+def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: UpdateRule, task: Task,
                  num_tasks: int, horizon: int, truncation_length: int, std: float = 0.01,
                  aggregation: str = "mean", time_scale: float = 1.0
                  ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
@@ -185,7 +187,7 @@ def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: 
     return grad, new_state, {**_metrics(pair_losses, valid), "pair_losses": pair_losses}
 
 
-def make_full_es_estimator(rule: Any, task: Any, *, num_tasks: int, num_steps: int, std: float = 0.01,
+def make_full_es_estimator(rule: UpdateRule, task: Task, *, num_tasks: int, num_steps: int, std: float = 0.01,
                            aggregation: str = "mean", devices: Sequence[jax.Device] | None = None
                            ) -> Callable[[PyTree, jax.Array], tuple[PyTree, dict]]:
     """Bind the configuration: returns the pure ``(meta_params, key) -> (grad, metrics)``.
@@ -255,7 +257,7 @@ def _place(tree: PyTree, sharding: NamedSharding) -> PyTree:
                         tree)
 
 
-def make_pes_estimator(rule: Any, task: Any, *, num_tasks: int, horizon: int, truncation_length: int,
+def make_pes_estimator(rule: UpdateRule, task: Task, *, num_tasks: int, horizon: int, truncation_length: int,
                        std: float = 0.01, aggregation: str = "mean",
                        devices: Sequence[jax.Device] | None = None) -> PESEstimator:
     """Bind the configuration of truncated PES; both returned functions are pure and jitted.

@@ -42,16 +42,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError, ServiceGaveUpError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json, unflatten_into
 from carlskit.cluster._loss import is_worker_loss
 from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import Backoff, RestartPolicy
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
-from carlskit.lopt._checks import integer, positive_float, positive_int
-from carlskit.lopt._inner import init_inner_state
-from carlskit.lopt._learner import meta_params_structure
-from carlskit.lopt._tasks import Task, TaskFamily
+from carlskit.lopt._inner import init_inner_state, inner_step
+from carlskit.lopt._outer import meta_params_structure
+from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
 from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.evaluation")
@@ -63,7 +63,7 @@ MAX_ATTEMPTS = 3  # evaluations of one checkpoint (its jobs all run again after 
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "task", "num_steps"))
-def evaluation_curves(rule: Any, task: Task, meta_params: PyTree, task_keys: jax.Array, num_steps: int,
+def evaluation_curves(rule: UpdateRule, task: Task, meta_params: PyTree, task_keys: jax.Array, num_steps: int,
                       time_scale: float = 1.0) -> dict[str, jax.Array]:
     """Train/validation/test losses ``[num_tasks, num_steps]`` of training each instance from scratch.
 
@@ -79,11 +79,9 @@ def evaluation_curves(rule: Any, task: Task, meta_params: PyTree, task_keys: jax
 
         def body(state, _):
             batches = [task.batch(jax.random.fold_in(stream, state.step), task_params) for stream in streams]
-            loss, grads = jax.value_and_grad(task.loss)(state.params, batches[0], task_params)
             held_out = [task.loss(state.params, batch, task_params) for batch in batches[1:]]
-            updates, opt_state = rule.update(meta_params, state.opt_state, grads, state.params, time_scale)
-            params = jax.tree.map(lambda p, u: p + u, state.params, updates)
-            return state._replace(params=params, opt_state=opt_state, step=state.step + 1), jnp.stack([loss, *held_out])
+            state, loss = inner_step(rule, task, meta_params, state, batches[0], task_params, time_scale)
+            return state, jnp.stack([loss, *held_out])
 
         state = init_inner_state(rule, task, task_key, task_params)
         _, losses = jax.lax.scan(body, state, None, length=num_steps)
@@ -128,7 +126,7 @@ def default_eval_task_sets(family: TaskFamily, *, ood_tasks: tuple[Task, ...] = 
     return sets
 
 
-def evaluate_job(rule: Any, meta_leaves: list[np.ndarray], task: Task, seed: int, num_instances: int,
+def evaluate_job(rule: UpdateRule, meta_leaves: list[np.ndarray], task: Task, seed: int, num_instances: int,
                  num_steps: int, time_scale: float) -> dict[str, list[float]]:
     """One evaluation job (runs on an evaluation worker): mean curves over instances, per split."""
     treedef, _ = meta_params_structure(rule)
@@ -138,7 +136,7 @@ def evaluate_job(rule: Any, meta_leaves: list[np.ndarray], task: Task, seed: int
     return {split: np.asarray(jnp.mean(values, axis=0), np.float64).tolist() for split, values in curves.items()}
 
 
-def load_meta_params_checkpoint(store: CheckpointStore, rule: Any, version: int | None = None
+def load_meta_params_checkpoint(store: CheckpointStore, rule: UpdateRule, version: int | None = None
                                 ) -> tuple[PyTree, dict]:
     """The ``meta_params`` subtree of a learner checkpoint, in ``rule``'s structure, and its metadata."""
     arrays, metadata = store.load(version)
@@ -169,8 +167,9 @@ class EvaluationChief:
         retried (a lost job). Default: off accelerator workers when there are others.
     """
 
-    def __init__(self, rule: Any, checkpoint_path: str, eval_dir: str | os.PathLike, task_sets: list[EvalTaskSet],
-                 *, client: Any = None, eval_workers: int = 1, time_scale: float = 1.0, logdir: str | None = None,
+    def __init__(self, rule: UpdateRule, checkpoint_path: str, eval_dir: str | os.PathLike,
+                 task_sets: list[EvalTaskSet], *, client: Any = None, eval_workers: int = 1,
+                 time_scale: float = 1.0, logdir: str | None = None,
                  on_result: Callable[[int, dict], None] | None = None, placement: Placement | None = None,
                  restart_policy: RestartPolicy | float | None = None) -> None:
         if not task_sets or not all(isinstance(s, EvalTaskSet) for s in task_sets):

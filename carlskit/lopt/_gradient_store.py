@@ -4,7 +4,8 @@ Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-pro
 A *gradient record* is a dict: ``id`` (unique str), ``grad`` (list of arrays, the flattened
 meta-parameter leaves), ``outer_step`` (the learner step whose meta-parameters it was computed
 at), ``task_family`` (str), ``losses`` (the ``[N, 2]`` antithetic pair losses), ``outer_loss``
-(float), ``worker`` (int) and ``seconds`` (time the estimate took).
+(float), ``nan_fraction`` (float, the pairs that diverged), ``worker`` (int) and ``seconds``
+(time the estimate took). :func:`carlskit.lopt._outer.worker_estimate` makes them.
 """
 
 from __future__ import annotations
@@ -13,9 +14,10 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from carlskit.lopt._checks import positive_int
+from carlskit._checks import positive_int
 
-RECORD_FIELDS = ("id", "grad", "outer_step", "task_family", "losses", "outer_loss", "worker", "seconds")
+RECORD_FIELDS = ("id", "grad", "outer_step", "task_family", "losses", "outer_loss", "nan_fraction", "worker",
+                 "seconds")
 
 
 def call(target: Any, method: str, *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:

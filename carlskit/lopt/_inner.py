@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from carlskit.lopt._protocols import Task, UpdateRule
+
 PyTree = Any
 
 
@@ -25,10 +27,24 @@ class InnerState(NamedTuple):
     step: jax.Array
 
 
-def init_inner_state(rule: Any, task: Any, task_key: jax.Array, task_params: PyTree) -> InnerState:
+def init_inner_state(rule: UpdateRule, task: Task, task_key: jax.Array, task_params: PyTree) -> InnerState:
     """Fresh parameters ``task.init(fold_in(task_key, 0))`` and optimizer state, step 0."""
     params = task.init(jax.random.fold_in(task_key, 0), task_params)
     return InnerState(params, rule.init_state(params), jnp.zeros((), jnp.int32))
+
+
+def inner_step(rule: UpdateRule, task: Task, meta_params: PyTree, state: InnerState, batch: PyTree,
+               task_params: PyTree, time_scale: float = 1.0) -> tuple[InnerState, jax.Array]:
+    """One inner training step, the only one: training (:func:`unroll`, hence every estimator, ES
+    worker and ``meta_train``) and evaluation (:func:`carlskit.lopt.evaluation_curves`) both call it.
+
+    ``l, g = value_and_grad(loss)(p, batch)``; ``updates, s = rule.update(theta, s, g, p, time_scale)``;
+    ``p <- p + updates``; the step counter advances. Returns the new state and ``l``.
+    """
+    loss, grads = jax.value_and_grad(task.loss)(state.params, batch, task_params)
+    updates, opt_state = rule.update(meta_params, state.opt_state, grads, state.params, time_scale)
+    params = jax.tree.map(lambda p, u: p + u, state.params, updates)
+    return InnerState(params, opt_state, state.step + 1), loss
 
 
 # Minibatches of up to this many bytes per unroll are drawn before the inner loop, in one batched
@@ -37,7 +53,7 @@ def init_inner_state(rule: Any, task: Any, task_key: jax.Array, task_params: PyT
 _PREFETCH_BYTES = 4 << 20
 
 
-def _prefetch_length(task: Any, task_params: PyTree, num_steps: int) -> int:
+def _prefetch_length(task: Task, task_params: PyTree, num_steps: int) -> int:
     """Inner steps whose minibatches are drawn together: the largest divisor of ``num_steps`` whose
     minibatches fit in ``_PREFETCH_BYTES`` (a divisor, so the loop body is compiled once)."""
     shapes = jax.eval_shape(task.batch, jax.random.PRNGKey(0), task_params)
@@ -46,7 +62,7 @@ def _prefetch_length(task: Any, task_params: PyTree, num_steps: int) -> int:
     return max((d for d in range(1, min(num_steps, limit) + 1) if num_steps % d == 0), default=1)
 
 
-def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_key: jax.Array,
+def unroll(rule: UpdateRule, task: Task, meta_params: PyTree, state: InnerState, task_key: jax.Array,
            task_params: PyTree, num_steps: int, time_scale: float = 1.0) -> tuple[InnerState, jax.Array]:
     """Run ``num_steps`` inner steps; returns the final state and the minibatch loss of each step.
 
@@ -66,10 +82,7 @@ def unroll(rule: Any, task: Any, meta_params: PyTree, state: InnerState, task_ke
             # plain slice of ``batches`` (scanning over ``batches`` itself would first transpose
             # them to put the step axis in front of the vmapped axis).
             batch = jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, index, keepdims=False), batches)
-            loss, grads = jax.value_and_grad(task.loss)(carry.params, batch, task_params)
-            updates, opt_state = rule.update(meta_params, carry.opt_state, grads, carry.params, time_scale)
-            params = jax.tree.map(lambda p, u: p + u, carry.params, updates)
-            return InnerState(params, opt_state, carry.step + 1), loss
+            return inner_step(rule, task, meta_params, carry, batch, task_params, time_scale)
 
         return jax.lax.scan(body, carry, jnp.arange(length))
 
@@ -97,7 +110,7 @@ def aggregate_losses(losses: jax.Array, aggregation: str) -> jax.Array:
     return losses[..., -1]
 
 
-def train_task(rule: Any, task: Any, meta_params: PyTree, task_key: jax.Array, num_steps: int,
+def train_task(rule: UpdateRule, task: Task, meta_params: PyTree, task_key: jax.Array, num_steps: int,
                time_scale: float = 1.0) -> jax.Array:
     """Losses ``[num_steps]`` of training one task instance from scratch (``task_params`` from the key)."""
     task_params = task.sample_task_params(jax.random.fold_in(task_key, 2))
@@ -107,7 +120,7 @@ def train_task(rule: Any, task: Any, meta_params: PyTree, task_key: jax.Array, n
 
 
 @functools.partial(jax.jit, static_argnames=("rule", "task", "num_steps"))
-def train_tasks_vectorized(rule: Any, task: Any, meta_params: PyTree, task_keys: jax.Array,
+def train_tasks_vectorized(rule: UpdateRule, task: Task, meta_params: PyTree, task_keys: jax.Array,
                            num_steps: int, time_scale: float = 1.0) -> jax.Array:
     """Losses ``[num_tasks, num_steps]``: ``train_task`` vmapped over ``task_keys`` in one program."""
     return jax.vmap(lambda k: train_task(rule, task, meta_params, k, num_steps, time_scale))(task_keys)
@@ -118,7 +131,7 @@ def _train_task_jit(rule, task, meta_params, task_key, num_steps, time_scale=1.0
     return train_task(rule, task, meta_params, task_key, num_steps, time_scale)
 
 
-def train_tasks_serial(rule: Any, task: Any, meta_params: PyTree, task_keys: jax.Array,
+def train_tasks_serial(rule: UpdateRule, task: Task, meta_params: PyTree, task_keys: jax.Array,
                        num_steps: int, time_scale: float = 1.0) -> jax.Array:
     """Same result as ``train_tasks_vectorized`` by a Python loop over tasks (reference/baseline)."""
     return jnp.stack([_train_task_jit(rule, task, meta_params, k, num_steps, time_scale) for k in task_keys])

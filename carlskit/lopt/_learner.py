@@ -1,7 +1,8 @@
 """``Learner``: applies averaged, fresh-enough ES gradients to the meta-parameters (Metz et al. 2022,
 Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-process.
 
-One update (``update()``):
+One update (``update()``), the learner half of the outer core
+(:func:`carlskit.lopt._outer.learner_apply`, the same call ``meta_train`` makes):
 
     records  = store.take_many(max_gradients_per_update)
     valid    = well-formed records whose grad has the meta-parameters' leaf shapes and finite values
@@ -12,7 +13,9 @@ One update (``update()``):
 Rejected records (malformed, grad of the wrong shape or a non-numeric dtype, non-finite grad,
 ``outer_step`` not an int >= 0 or one the learner has not reached, ``outer_loss`` not a finite
 number, ``task_family`` not a str) and stale gradients are counted per reason, never applied; the
-good records of the same batch are applied. Meta-parameters and the outer optimizer's state are
+good records of the same batch are applied. An update that would make the meta-parameters
+non-finite raises ``FloatingPointError`` and changes nothing (the driver counts it as a learner
+error). Meta-parameters and the outer optimizer's state are
 checkpointed through :class:`carlskit.training.CheckpointStore` (version = outer step) every
 ``checkpoint_every_seconds``; a new learner over the same directory resumes from the newest *intact*
 one: a checkpoint that cannot be read (corrupt, or not fitting the rule) is recorded in
@@ -41,8 +44,18 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from carlskit.lopt._checks import integer, positive_float, positive_int
+from carlskit._checks import integer, positive_float, positive_int
+from carlskit.lopt._checks import check_meta_params
 from carlskit.lopt._gradient_store import call
+from carlskit.lopt._outer import (
+    REJECTION_REASONS,
+    LearnerConfig,
+    LearnerState,
+    Verdict,
+    learner_apply,
+    outer_optimizer_of,
+)
+from carlskit.lopt._protocols import UpdateRule
 from carlskit.lopt._rules import rule_to_config
 from carlskit.training import CheckpointStore
 
@@ -53,8 +66,6 @@ STALENESS_BINS = 16  # staleness 0..14, and 15+ in the last bin
 FAMILY_LOSS_DECAY = 0.9
 SUMMARY_SCALARS = ("learner/outer_loss", "learner/gradients_per_second", "learner/dropped_fraction",
                    "learner/update_seconds")
-REJECTION_REASONS = ("malformed", "shape", "dtype", "non_finite", "outer_step", "future_step", "outer_loss",
-                     "task_family")
 
 
 def load_newest_intact(checkpoints: CheckpointStore, load: Any, skipped: dict[int, str] | None = None
@@ -93,13 +104,6 @@ def last_logged_step(logdir: str) -> int:
     return max((int(column.max()) for column in steps if len(column)), default=-1)
 
 
-def meta_params_structure(rule: Any) -> tuple[Any, list[tuple[int, ...]]]:
-    """Treedef and leaf shapes of ``rule``'s meta-parameters (no arrays are made)."""
-    template = jax.eval_shape(rule.init_meta_params, jax.random.PRNGKey(0))
-    leaves, treedef = jax.tree.flatten(template)
-    return treedef, [tuple(leaf.shape) for leaf in leaves]
-
-
 class Learner:
     """Poll the gradient store, drop stale gradients, average the rest, apply the outer optimizer.
 
@@ -109,15 +113,16 @@ class Learner:
       checkpoint_path: directory (or fsspec URL) of the meta-parameter checkpoints.
       initial_meta_params: where to start when there is no checkpoint yet (default
         ``rule.init_meta_params(PRNGKey(seed))``).
-      outer_optimizer: optax transformation on the meta-parameters (default ``optax.adam(3e-3)``).
+      outer_optimizer: optax transformation on the meta-parameters (default ``optax.adam(3e-3)``), or
+        ``"self"``: the learned optimizer the current meta-parameters define (:func:`self_optimizer`).
       max_staleness: gradients more than this many outer steps old are dropped (paper: 5).
       max_gradients_per_update: records taken from the store per update.
       checkpoint_every_seconds: checkpoint period (paper: 10 minutes).
       logdir: summaries directory (``None``: no summaries).
     """
 
-    def __init__(self, rule: Any, store: Any, checkpoint_path: str, *, initial_meta_params: PyTree | None = None,
-                 outer_optimizer: optax.GradientTransformation | None = None, max_staleness: int = 5,
+    def __init__(self, rule: UpdateRule, store: Any, checkpoint_path: str, *, initial_meta_params: PyTree | None = None,
+                 outer_optimizer: optax.GradientTransformation | str | None = None, max_staleness: int = 5,
                  max_gradients_per_update: int = 64, checkpoint_every_seconds: float = 600.0,
                  logdir: str | None = None, seed: int = 0, keep_checkpoints: int | None = None) -> None:
         self.max_staleness = integer(max_staleness, "max_staleness", 0)
@@ -125,15 +130,14 @@ class Learner:
         self.checkpoint_every_seconds = positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
         seed = integer(seed, "seed", 0)
         self.rule, self.store = rule, store
-        self.outer_optimizer = optax.adam(3e-3) if outer_optimizer is None else outer_optimizer
-        self._treedef, self._shapes = meta_params_structure(rule)
+        self.outer_optimizer = outer_optimizer_of(outer_optimizer, rule)
+        self.config = LearnerConfig.of(rule, self.outer_optimizer, self.max_staleness)
         self._lock = threading.Lock()
-        self._apply = jax.jit(self._apply_updates)
 
         if initial_meta_params is None:
             template = rule.init_meta_params(jax.random.PRNGKey(seed))
-        else:
-            self._check_initial_meta_params(initial_meta_params)
+        else:  # a tree of the wrong structure is a ValueError here (documented; as_optax says TypeError)
+            check_meta_params(rule, initial_meta_params, "initial_meta_params", finite=True, structure_error=ValueError)
             template = jax.tree.map(jnp.asarray, initial_meta_params)
         # Only now, with every argument checked, touch the checkpoint directory (creating it).
         self.checkpoints = CheckpointStore(checkpoint_path, keep=keep_checkpoints)
@@ -181,56 +185,9 @@ class Learner:
             return self.outer_step, [np.asarray(leaf) for leaf in jax.tree.leaves(self.meta_params)]
 
     # ------------------------------------------------------------------ one update
-    def _check_initial_meta_params(self, meta_params: PyTree) -> None:
-        """Same tree structure and leaf shapes as the rule's, floating dtypes, finite values."""
-        leaves, treedef = jax.tree.flatten(meta_params)
-        shapes = [tuple(np.shape(leaf)) for leaf in leaves]
-        if treedef != self._treedef or shapes != self._shapes:
-            raise ValueError(f"initial_meta_params: expected the rule's tree {self._treedef} with leaves of "
-                             f"shapes {self._shapes}, got {treedef} with shapes {shapes}")
-        for path, leaf in jax.tree_util.tree_flatten_with_path(meta_params)[0]:
-            where = f"initial_meta_params{jax.tree_util.keystr(path)}"
-            dtype = np.asarray(leaf).dtype if not hasattr(leaf, "dtype") else leaf.dtype
-            if not jnp.issubdtype(dtype, jnp.floating):
-                raise TypeError(f"{where}: meta-parameters must have a real floating dtype, got {dtype}")
-            if not np.all(np.isfinite(np.asarray(leaf))):
-                raise ValueError(f"{where}: meta-parameters must be finite, got NaN or inf")
-
-    def _rejection(self, record: Any) -> str | None:
-        """Why ``record`` cannot be applied (one of ``REJECTION_REASONS``), or ``None``. Never raises."""
-        try:
-            if not isinstance(record, dict):
-                return "malformed"
-            grad = record.get("grad")
-            if not isinstance(grad, (list, tuple)) or len(grad) != len(self._shapes):
-                return "shape"
-            arrays = [np.asarray(g) for g in grad]
-            if [array.shape for array in arrays] != self._shapes:
-                return "shape"
-            if not all(array.dtype.kind in "fiu" for array in arrays):
-                return "dtype"  # str, object, complex, bool: not a gradient
-            if not all(np.all(np.isfinite(array)) for array in arrays):
-                return "non_finite"
-            step = np.asarray(record.get("outer_step"))  # an int, numpy or 0-d array integer
-            if step.ndim != 0 or step.dtype.kind not in "iu" or step < 0:
-                return "outer_step"  # missing, None, str, bool, float (1.7 is no step), negative
-            if step > self.outer_step:
-                return "future_step"  # computed at a step this (restarted) learner has not reached
-            loss = np.asarray(record.get("outer_loss"))
-            if loss.ndim != 0 or loss.dtype.kind not in "fiu" or not np.isfinite(loss):
-                return "outer_loss"  # missing, not a number, or NaN/inf (every pair of the estimate diverged)
-            if not isinstance(record.get("task_family"), str):
-                return "task_family"
-        except Exception:  # e.g. a ragged nested list as a gradient leaf
-            return "malformed"
-        return None
-
-    def _apply_updates(self, meta_params, outer_state, grad):
-        updates, outer_state = self.outer_optimizer.update(grad, outer_state, meta_params)
-        return optax.apply_updates(meta_params, updates), outer_state
-
     def update(self) -> dict[str, Any]:
-        """Take a batch from the store and apply one outer step if any gradient is fresh enough.
+        """Take a batch from the store and apply one outer step if any gradient is fresh enough
+        (:func:`carlskit.lopt._outer.learner_apply`).
 
         Returns this update's figures: ``taken``, ``applied``, ``dropped_stale``, ``rejected``,
         ``outer_step``, ``seconds`` (learner overhead: validation, averaging, optimizer, checkpoint).
@@ -238,50 +195,18 @@ class Learner:
         records = call(self.store, "take_many", self.max_gradients_per_update)
         with self._lock:
             started = time.perf_counter()
-            # Judge every record first and build the new state aside; commit it only at the end, so a
-            # failure part way leaves the learner as it was (and a bad record never costs good ones).
-            fresh, reasons, stale, staleness = [], [], 0, []
-            for record in records:
-                reason = self._rejection(record)
-                if reason is not None:
-                    reasons.append(reason)
-                    where = record if isinstance(record, dict) else {}
-                    logger.warning("learner rejected gradient %r from worker %r: %s", where.get("id"),
-                                   where.get("worker"), reason)
-                    continue
-                age = self.outer_step - int(record["outer_step"])
-                staleness.append(age)
-                if age > self.max_staleness:
-                    stale += 1
-                    continue
-                fresh.append(record)
-            if fresh:
-                leaves = [np.mean([np.asarray(r["grad"][i], np.float32) for r in fresh], axis=0)
-                          for i in range(len(self._shapes))]
-                grad = jax.tree.unflatten(self._treedef, leaves)
-                meta_params, outer_state = self._apply(self.meta_params, self.outer_state, grad)
-                jax.block_until_ready(meta_params)
-                losses = [float(r["outer_loss"]) for r in fresh]
-                family_losses = {name: dict(values) for name, values in self.stats["family_losses"].items()}
-                for record, loss in zip(fresh, losses):
-                    family = family_losses.setdefault(record["task_family"], {"loss": None, "count": 0})
-                    family["loss"] = loss if family["loss"] is None else (
-                        FAMILY_LOSS_DECAY * family["loss"] + (1 - FAMILY_LOSS_DECAY) * loss)
-                    family["count"] += 1
-                # commit
-                self.meta_params, self.outer_state = meta_params, outer_state
-                self.outer_step += 1
-                self.stats["applied"] += len(fresh)
-                self.stats["updates"] += 1
-                self.stats["family_losses"] = family_losses
-                self.last_outer_loss = float(np.mean(losses))
-                self._accepted_times.extend([time.time()] * len(fresh))
-            for reason in reasons:
-                self.stats["rejected"][reason] += 1
-            self.stats["received"] += len(staleness)
-            for age in staleness:
-                self.stats["staleness_counts"][min(age, STALENESS_BINS - 1)] += 1
-            self.stats["dropped_stale"] += stale
+            # The new state is built aside and committed only at the end, so a failure part way
+            # leaves the learner as it was (and a bad record never costs good ones).
+            state = LearnerState(self.meta_params, self.outer_state, self.outer_step)
+            new_state, verdict = learner_apply(state, records, self.config)
+            for record, reason in verdict.rejected:
+                where = record if isinstance(record, dict) else {}
+                logger.warning("learner rejected gradient %r from worker %r: %s", where.get("id"),
+                               where.get("worker"), reason)
+            if verdict.fresh:
+                jax.block_until_ready(new_state.meta_params)
+                self._commit(new_state, verdict.fresh)
+            self._count(verdict)
             if self._due_for_checkpoint():
                 self._save_checkpoint()
             seconds = time.perf_counter() - started
@@ -289,11 +214,35 @@ class Learner:
                 self.last_update_seconds = seconds
                 self._update_seconds_total += seconds
                 self._timed_updates += 1
-            result = {"taken": len(records), "applied": len(fresh), "dropped_stale": stale, "rejected": len(reasons),
-                      "outer_step": self.outer_step, "seconds": seconds}
-        if fresh:
-            self._log_summaries(staleness)
+            result = {"taken": len(records), "applied": len(verdict.fresh), "dropped_stale": verdict.stale,
+                      "rejected": len(verdict.rejected), "outer_step": self.outer_step, "seconds": seconds}
+        if verdict.fresh:
+            self._log_summaries(verdict.staleness)
         return result
+
+    def _commit(self, state: LearnerState, fresh: list[dict]) -> None:
+        """Take ``state`` and the per-family losses of the ``fresh`` records that made it."""
+        losses = [float(r["outer_loss"]) for r in fresh]
+        family_losses = {name: dict(values) for name, values in self.stats["family_losses"].items()}
+        for record, loss in zip(fresh, losses):
+            family = family_losses.setdefault(record["task_family"], {"loss": None, "count": 0})
+            family["loss"] = loss if family["loss"] is None else (
+                FAMILY_LOSS_DECAY * family["loss"] + (1 - FAMILY_LOSS_DECAY) * loss)
+            family["count"] += 1
+        self.meta_params, self.outer_state, self.outer_step = state
+        self.stats["applied"] += len(fresh)
+        self.stats["updates"] += 1
+        self.stats["family_losses"] = family_losses
+        self.last_outer_loss = float(np.mean(losses))
+        self._accepted_times.extend([time.time()] * len(fresh))
+
+    def _count(self, verdict: Verdict) -> None:
+        for _, reason in verdict.rejected:
+            self.stats["rejected"][reason] += 1
+        self.stats["received"] += len(verdict.staleness)
+        for age in verdict.staleness:
+            self.stats["staleness_counts"][min(age, STALENESS_BINS - 1)] += 1
+        self.stats["dropped_stale"] += verdict.stale
 
     # ------------------------------------------------------------------ checkpoints
     def _due_for_checkpoint(self) -> bool:

@@ -7,7 +7,9 @@
 One object starts, watches and stops it all from a notebook. With a Dask client the store and the
 learner are actors on one worker (the "service" worker), the ES workers are long-running tasks on
 the others, and evaluation jobs are ordinary tasks. Without a client everything runs in threads of
-this process. A driver thread here calls ``learner.update()`` in a loop.
+this process. A driver thread here calls ``learner.update()`` in a loop. The ES workers and the
+learner are the two halves of the outer core (:mod:`carlskit.lopt._outer`: ``worker_estimate``,
+``learner_apply``) that ``LearnedOptimizer.meta_train`` runs in one process.
 
 Supervision (:mod:`carlskit.cluster._supervised`, one :class:`RestartPolicy` for every service, a
 budget in seconds, default 10 minutes; loss decided by type and actor state, never message text):
@@ -50,18 +52,19 @@ from typing import Any
 import numpy as np
 import optax
 
+from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
-from carlskit.cluster._loss import actor_lost, is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement
-from carlskit.cluster._supervised import MAX_KEPT_ERRORS, Backoff, LongRunningTasks, RestartPolicy, stop_flag
+from carlskit.cluster import NoWorkerError, Placement, RestartPolicy, actor_lost, is_worker_loss
+from carlskit.cluster._supervised import MAX_KEPT_ERRORS, Backoff, LongRunningTasks, stop_flag
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
-from carlskit.lopt._checks import integer, positive_float, positive_int
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
 from carlskit.lopt._gradient_store import GradientStore, call
 from carlskit.lopt._learner import Learner, load_newest_intact
 from carlskit.lopt._optimizer import LearnedOptimizer
-from carlskit.lopt._tasks import Task, TaskFamily
+from carlskit.lopt._outer import outer_optimizer_of
+from carlskit.lopt._protocols import Task, TaskFamily
+from carlskit.lopt._tasks import as_task_family
 from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.meta_training")
@@ -111,7 +114,10 @@ class MetaTraining:
       eval_workers: evaluation jobs in flight at most.
       num_tasks, num_steps, std: antithetic pairs per estimate, inner steps per unroll, ES noise.
       max_staleness: gradients older than this many outer steps are dropped (paper: 5).
-      outer_optimizer: optax optimizer of the meta-parameters (default ``optax.adam(3e-3)``).
+      outer_optimizer: optax optimizer of the meta-parameters (default ``optax.adam(3e-3)``), or
+        ``"self"``: self-training, the learner updates the meta-parameters with the learned optimizer
+        they define (:func:`carlskit.lopt.self_optimizer`; pass ``self_optimizer(rule, warmup_steps=...)``
+        for an Adam warm-up first).
       checkpoint_every_seconds: learner checkpoint period (paper: 600).
       eval_task_sets: fixed evaluation sets (default :func:`default_eval_task_sets`).
       ood_tasks: out-of-distribution tasks for the default evaluation sets.
@@ -131,7 +137,7 @@ class MetaTraining:
     def __init__(self, lopt: LearnedOptimizer, task_family: TaskFamily | Task, client: Any = None, *,
                  directory: str | os.PathLike, num_workers: int = 2, eval_workers: int = 1, num_tasks: int = 8,
                  num_steps: int = 50, std: float = 0.01, max_staleness: int = 5,
-                 outer_optimizer: optax.GradientTransformation | None = None,
+                 outer_optimizer: optax.GradientTransformation | str | None = None,
                  checkpoint_every_seconds: float = 600.0, eval_task_sets: list[EvalTaskSet] | None = None,
                  ood_tasks: tuple[Task, ...] = (), eval_num_steps: int | None = None,
                  max_gradients_per_update: int = 64, put_every: int = 1, seed: int = 0,
@@ -139,13 +145,10 @@ class MetaTraining:
                  restart_policy: RestartPolicy | float | None = None,
                  workers: list[str] | str | None = None, resources: dict[str, float] | None = None,
                  placement: Mapping[str, Placement | Mapping[str, Any]] | None = None) -> None:
-        from carlskit.lopt._optimizer import _SingleTaskFamily
-
         if not isinstance(lopt, LearnedOptimizer):
             raise TypeError(f"lopt must be a LearnedOptimizer, got {type(lopt).__name__}")
-        family = _SingleTaskFamily(task_family) if isinstance(task_family, Task) else task_family
-        if not isinstance(family, TaskFamily):
-            raise TypeError(f"task_family must be a TaskFamily or Task, got {type(task_family).__name__}")
+        family = as_task_family(task_family)
+        outer_optimizer_of(outer_optimizer, lopt.rule)  # checked here; the learner builds its own
         for name, value in (("num_workers", num_workers), ("eval_workers", eval_workers), ("num_tasks", num_tasks),
                             ("num_steps", num_steps), ("max_gradients_per_update", max_gradients_per_update)):
             positive_int(value, name)
@@ -170,6 +173,10 @@ class MetaTraining:
         self.eval_task_sets = eval_task_sets if eval_task_sets is not None else default_eval_task_sets(
             family, ood_tasks=tuple(ood_tasks), num_steps=eval_steps)
         self.evaluate = evaluate
+        self._init_runtime_state()
+
+    def _init_runtime_state(self) -> None:
+        """The services (none yet), their supervision state and the driver's, all stopped."""
         self.learner: Any = None
         self.gradient_store: Any = None
         self.chief: EvaluationChief | None = None
@@ -201,6 +208,7 @@ class MetaTraining:
         self._topic = f"carlskit-meta-training-{uuid.uuid4().hex[:8]}"
         self._last_learner_status: dict = {}
         self._widgets: dict[str, Any] = {}
+        self._launches: dict[int, int] = {}  # ES worker index -> launches so far (each its own stream)
 
     # ------------------------------------------------------------------ services
     def _workers(self) -> list[str]:
@@ -262,8 +270,15 @@ class MetaTraining:
         return [others[index % len(others)]] if others else None
 
     def _worker_args(self, index: int):
-        return lambda: (index, *self._services, self.family, self.lopt.rule, self.worker_config,
-                        self._stop, self._topic, self.logdir)
+        """The arguments of ES worker ``index``, made anew at each (re)launch: the current actors and
+        the launch count (each launch draws its own random stream, never its predecessor's)."""
+
+        def make_args() -> tuple:
+            launch = self._launches[index] = self._launches.get(index, -1) + 1
+            return (index, *self._services, self.family, self.lopt.rule, self.worker_config,
+                    self._stop, self._topic, self.logdir, None, launch)
+
+        return make_args
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> MetaTraining:
@@ -585,7 +600,7 @@ class MetaTraining:
         histogram, the evaluation curves per checkpoint (``EvalCurves``) and the cluster status."""
         import ipywidgets
 
-        from carlskit.widgets import ClusterStatus, EvalCurves, LiveSummaries
+        from carlskit.widgets import ClusterStatus, EvalCurves, LiveSummaries, StalenessHistogram
 
         if self.logdir is None:
             raise ValueError("dashboard needs summaries=True")
@@ -593,11 +608,12 @@ class MetaTraining:
                                            "learner/dropped_fraction"], every_seconds=every_seconds)
         curves = EvalCurves({v: c for v, c in sorted(self.eval_results.items())})
         board = ClusterStatus(self.client, sources=[self], every_seconds=every_seconds, show_devices=False)
-        staleness = StalenessHistogram(self, every_seconds=every_seconds)
+        staleness = StalenessHistogram(self.learner_status, self.learner_options["max_staleness"],
+                                       every_seconds=every_seconds)
         self._widgets.update(live=live, eval_curves=curves, status=board, staleness=staleness)
         if self._driver is not None:  # refresh while training runs, displayed or not
             live.start()
-            board._on_display()
+            board.start()
         return ipywidgets.VBox([live.widget, staleness.widget, curves.widget, board.widget])
 
     def _repr_html_(self) -> str:
@@ -610,39 +626,3 @@ class MetaTraining:
         state = "running" if self._driver is not None else "stopped"
         return (f"<MetaTraining {state}: {self.num_workers} ES workers, {self.eval_workers} eval workers, "
                 f"outer step {self._last_learner_status.get('outer_step')}>")
-
-
-class StalenessHistogram:
-    """A bar chart of the learner's staleness counts and dropped fraction, refreshed in place."""
-
-    def __init__(self, training: MetaTraining, every_seconds: float = 1.0) -> None:
-        import ipywidgets
-
-        from carlskit.widgets._display import PeriodicThread
-
-        self.training = training
-        self.widget = ipywidgets.Image(format="png")
-        self._updater = PeriodicThread(self.update, every_seconds, "carlskit-staleness")
-        self.update()
-        self._updater.start()
-
-    def update(self) -> None:
-        from carlskit.widgets._display import render_png
-
-        status = self.training.learner_status()
-        counts = status.get("staleness_counts") or []
-        max_staleness = self.training.learner_options["max_staleness"]
-
-        def draw(figure):
-            axes = figure.add_subplot(1, 1, 1)
-            bins = np.arange(len(counts))
-            axes.bar(bins, counts, color=["C0" if b <= max_staleness else "C3" for b in bins])
-            axes.set_xlabel("staleness (outer steps; last bin: that many or more)", fontsize=8)
-            axes.set_ylabel("gradients", fontsize=8)
-            axes.set_title(f"staleness; dropped fraction {status.get('dropped_fraction', 0.0):.3f} "
-                           f"(max_staleness {max_staleness})", fontsize=9)
-
-        self.widget.value = render_png(draw, 7.0, 2.2)
-
-    def stop(self) -> None:
-        self._updater.stop()

@@ -18,33 +18,25 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from carlskit._checks import choice, positive_float, positive_int
 from carlskit._errors import CorruptFileError
-from carlskit.lopt._checks import (
-    check_meta_params,
-    check_real_floating,
-    check_same_layout,
-    positive_float,
-    positive_int,
-)
-from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
+from carlskit.lopt._checks import check_meta_params, check_real_floating, check_same_layout
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
+from carlskit.lopt._outer import (
+    Estimators,
+    LearnerConfig,
+    OuterStream,
+    learner_apply,
+    outer_optimizer_of,
+    worker_estimate,
+)
+from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
-from carlskit.lopt._tasks import Task, TaskFamily
+from carlskit.lopt._tasks import as_task_family
 
 PyTree = Any
 PRETRAINED_NAME = "pretrained_mlp_lopt"
-
-
-class _SingleTaskFamily(TaskFamily):
-    def __init__(self, task: Task) -> None:
-        self._task = task
-
-    def tasks(self) -> tuple[Task, ...]:
-        return (self._task,)
-
-    def sample(self, rng: np.random.Generator) -> Task:
-        return self._task
 
 
 class LearnedOptimizer:
@@ -55,7 +47,7 @@ class LearnedOptimizer:
     is the inner-training length the meta-parameters were trained for (used by ``as_optax(num_steps=)``).
     """
 
-    def __init__(self, rule: Any | None = None, meta_params: PyTree | None = None,
+    def __init__(self, rule: UpdateRule | None = None, meta_params: PyTree | None = None,
                  train_horizon: int | None = None, info: dict[str, Any] | None = None) -> None:
         self.rule = MLPUpdateRule() if rule is None else rule
         for name in ("init_meta_params", "init_state", "update"):
@@ -197,8 +189,11 @@ class LearnedOptimizer:
                    aggregation: str = "mean", seed: int = 0, meta_params: PyTree | None = None,
                    progress: bool = True, live_plot: bool | None = None, plot_every: int = 10,
                    time_budget_s: float | None = None,
-                   callback: Callable[[int, dict[str, float]], None] | None = None) -> "LearnedOptimizer":
-        """Meta-train with ``estimator`` in ``{'pes', 'es'}`` and Adam on the meta-parameters.
+                   callback: Callable[[int, dict[str, float]], None] | None = None,
+                   outer_optimizer: optax.GradientTransformation | str | None = None) -> "LearnedOptimizer":
+        """Meta-train with ``estimator`` in ``{'pes', 'es'}`` and Adam on the meta-parameters
+        (``outer_optimizer``: another optax transformation, or ``"self"`` for self-training, see
+        :func:`carlskit.lopt.self_optimizer`; ``meta_learning_rate`` is Adam's).
 
         Each outer step samples a task structure from ``task_family`` and runs ``num_tasks``
         antithetic pairs of it vmapped. PES keeps one persistent state per task structure (unrolls
@@ -207,101 +202,92 @@ class LearnedOptimizer:
         tqdm bar and, in a notebook (``live_plot=None``), a live outer-loss curve. Returns a new
         ``LearnedOptimizer`` carrying the result and its ``history``.
 
-        An outer step in which every pair diverged records ``outer_loss`` NaN and leaves the
-        meta-parameters and Adam's state untouched; meta-parameters that become non-finite after
-        an update raise ``FloatingPointError``.
+        This is the meta-training cluster in one process: each outer step is the ES worker's
+        :func:`~carlskit.lopt._outer.worker_estimate` then the learner's
+        :func:`~carlskit.lopt._outer.learner_apply`, so ``MetaTraining`` with one ES worker,
+        ``max_staleness=0`` and one gradient per update reproduces ``estimator='es'`` for the same
+        seed. An outer step in which every pair diverged records ``outer_loss`` NaN and leaves the
+        meta-parameters and Adam's state untouched; meta-parameters that become non-finite after an
+        update raise ``FloatingPointError``.
         """
-        if estimator not in ("pes", "es"):
-            raise ValueError(f"estimator must be 'pes' or 'es', got {estimator!r}")
         num_outer_steps = positive_int(num_outer_steps, "num_outer_steps")
-        num_tasks, horizon = positive_int(num_tasks, "num_tasks"), positive_int(horizon, "horizon")
-        truncation_length = positive_int(truncation_length, "truncation_length")
+        estimators = Estimators(self.rule, choice(estimator, "estimator", ("pes", "es")), num_tasks=num_tasks,
+                                num_steps=positive_int(horizon, "horizon"), std=std, aggregation=aggregation,
+                                truncation_length=positive_int(truncation_length, "truncation_length"))
         plot_every = positive_int(plot_every, "plot_every")
-        std, meta_learning_rate = positive_float(std, "std"), positive_float(meta_learning_rate, "meta_learning_rate")
+        meta_learning_rate = positive_float(meta_learning_rate, "meta_learning_rate")
         if time_budget_s is not None:
             time_budget_s = positive_float(time_budget_s, "time_budget_s")
-        if estimator == "pes" and horizon % truncation_length:
-            raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
-        family = _SingleTaskFamily(task_family) if isinstance(task_family, Task) else task_family
-        if not isinstance(family, TaskFamily):
-            raise TypeError(f"task_family must be a TaskFamily or Task, got {type(task_family).__name__}")
-
+        family = as_task_family(task_family)
         key = jax.random.PRNGKey(seed)
         if meta_params is None and self.meta_params is None:
             key, init_key = jax.random.split(key)
-            theta = self.init(init_key)
-        else:
-            theta = self._resolve(meta_params)
-        meta_optimizer = optax.adam(meta_learning_rate)
-        meta_state = meta_optimizer.init(theta)
-        rng = np.random.default_rng(seed)
-        estimators: dict[Task, Any] = {}
-        pes_states: dict[Task, Any] = {}
-
-        from tqdm.auto import tqdm
-        live = None
-        if live_plot or (live_plot is None and progress):
-            from IPython.display import display
-
-            from carlskit._notebook import in_notebook
-            if live_plot or in_notebook():
-                from carlskit.widgets import LivePlot
-
-                live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
-                display(live.widget)
-        history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
-        bar = tqdm(range(num_outer_steps), disable=not progress, desc=f"meta-train ({estimator})")
+            meta_params = self.init(init_key)
+        config = LearnerConfig.of(self.rule, outer_optimizer_of(outer_optimizer, self.rule, meta_learning_rate))
+        state, stream = config.init(self._resolve(meta_params)), OuterStream(family, key, seed)
+        display = MetaTrainDisplay(estimator, num_tasks, num_outer_steps, progress, live_plot, plot_every)
         started = time.monotonic()
-        for outer_step in bar:
-            task = family.sample(rng)
-            key, step_key, init_key = jax.random.split(key, 3)
-            if task not in estimators:
-                if estimator == "pes":
-                    estimators[task] = make_pes_estimator(self.rule, task, num_tasks=num_tasks, horizon=horizon,
-                                                          truncation_length=truncation_length, std=std,
-                                                          aggregation=aggregation)
-                else:
-                    estimators[task] = make_full_es_estimator(self.rule, task, num_tasks=num_tasks,
-                                                              num_steps=horizon, std=std, aggregation=aggregation)
-            if estimator == "pes":
-                if task not in pes_states:
-                    pes_states[task] = estimators[task].init(theta, init_key)
-                grad, pes_states[task], metrics = estimators[task].gradient(theta, step_key, pes_states[task])
-            else:
-                grad, metrics = estimators[task](theta, step_key)
-            nan_fraction = float(metrics["nan_fraction"])
-            # Every pair diverged: the estimate is no information (a zero vector), so Adam must not
-            # see it (its momentum would still move theta).
-            if nan_fraction < 1.0 and _all_finite(grad):
-                updates, meta_state = meta_optimizer.update(grad, meta_state, theta)
-                theta = optax.apply_updates(theta, updates)
-                if not _all_finite(theta):
-                    raise FloatingPointError(
-                        f"meta_train: the meta-parameters became non-finite at outer step {outer_step} "
-                        f"(meta_learning_rate={meta_learning_rate}); lower meta_learning_rate or std")
-            outer_loss = float(metrics["outer_loss"])
-            history["step"].append(outer_step)
-            history["outer_loss"].append(outer_loss)
-            history["nan_fraction"].append(nan_fraction)
-            bar.set_postfix(outer_loss=f"{outer_loss:.4f}")
+        for outer_step in display.steps():
+            task, step_key, init_key = stream.next()
+            record = worker_estimate(estimators, state.meta_params, task, step_key, state.outer_step,
+                                     init_key=init_key)
+            try:
+                state, _ = learner_apply(state, [record], config)
+            except FloatingPointError as error:
+                raise FloatingPointError(f"meta_train: {error} (outer step {outer_step}, "
+                                         f"meta_learning_rate={meta_learning_rate})") from None
+            display.record(outer_step, record["outer_loss"], record["nan_fraction"])
             if callback is not None:
-                callback(outer_step, {"outer_loss": outer_loss, "nan_fraction": history["nan_fraction"][-1]})
-            if live is not None and (outer_step % plot_every == 0 or outer_step == num_outer_steps - 1):
-                live.update({"outer loss": (history["step"], history["outer_loss"])}, force=True)
+                callback(outer_step, {"outer_loss": record["outer_loss"], "nan_fraction": record["nan_fraction"]})
             if time_budget_s is not None and time.monotonic() - started > time_budget_s:
                 break
-        if live is not None:
-            live.update({"outer loss": (history["step"], history["outer_loss"])}, force=True)
+        display.close()
         trained = type(self).__new__(type(self))
-        LearnedOptimizer.__init__(trained, self.rule, theta, horizon, self.info)
-        trained.history = history
+        LearnedOptimizer.__init__(trained, self.rule, state.meta_params, horizon, self.info)
+        trained.history = display.history
         return trained
 
 
-def _all_finite(tree: PyTree) -> bool:
-    """One device-to-host transfer for the whole tree (a bool per outer step)."""
-    leaves = jax.tree.leaves(tree)
-    return bool(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))) if leaves else True
+class MetaTrainDisplay:
+    """``meta_train``'s history, tqdm bar and (in a notebook, or with ``live_plot=True``) live
+    outer-loss curve; tqdm and the widgets are imported only here, when meta-training starts."""
+
+    def __init__(self, estimator: str, num_tasks: int, num_outer_steps: int, progress: bool,
+                 live_plot: bool | None, plot_every: int) -> None:
+        from tqdm.auto import tqdm
+
+        self.history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
+        self.num_outer_steps, self.plot_every = num_outer_steps, plot_every
+        self.bar = tqdm(range(num_outer_steps), disable=not progress, desc=f"meta-train ({estimator})")
+        self.live = None
+        if live_plot or (live_plot is None and progress):
+            from carlskit._notebook import in_notebook
+
+            if live_plot or in_notebook():
+                from IPython.display import display
+
+                from carlskit.widgets import LivePlot
+
+                self.live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
+                display(self.live.widget)
+
+    def steps(self):
+        return iter(self.bar)
+
+    def record(self, outer_step: int, outer_loss: float, nan_fraction: float) -> None:
+        self.history["step"].append(outer_step)
+        self.history["outer_loss"].append(outer_loss)
+        self.history["nan_fraction"].append(nan_fraction)
+        self.bar.set_postfix(outer_loss=f"{outer_loss:.4f}")
+        if outer_step % self.plot_every == 0 or outer_step == self.num_outer_steps - 1:
+            self._plot()
+
+    def _plot(self) -> None:
+        if self.live is not None:
+            self.live.update({"outer loss": (self.history["step"], self.history["outer_loss"])}, force=True)
+
+    def close(self) -> None:
+        self._plot()
 
 
 def _is_prng_key(key: Any) -> bool:
@@ -352,7 +338,7 @@ def optax_train_curves(transformation: optax.GradientTransformation, task: Task,
     return np.asarray(jax.jit(jax.vmap(lambda k: train_task(rule, task, {}, k, num_steps)))(keys))
 
 
-class _OptaxRule:
+class _OptaxRule(UpdateRule):
     """Adapts any optax transformation to the update-rule protocol (no meta-parameters)."""
 
     def __init__(self, transformation: optax.GradientTransformation) -> None:

@@ -20,7 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit.lopt._checks import check_same_layout, check_state_keys, finite_float, positive_float, positive_ints
+from carlskit._checks import finite_float, positive_float
+from carlskit.lopt._checks import check_same_layout, check_state_keys, positive_ints
+from carlskit.lopt._protocols import UpdateRule
 
 PyTree = Any
 
@@ -46,7 +48,7 @@ def _dense_init(key: jax.Array, fan_in: int, fan_out: int, scale: float = 1.0) -
 
 
 @dataclasses.dataclass(frozen=True)
-class MLPUpdateRule:
+class MLPUpdateRule(UpdateRule):
     """Per-parameter MLP optimizer in the style of learned_optimization's ``MLPLOpt``.
 
     For every scalar parameter the MLP reads the gradient ``g``, the parameter ``p`` and momenta
@@ -172,7 +174,7 @@ class MLPUpdateRule:
         return treedef.unflatten(updates), {"momenta": momenta, "step": state["step"] + 1}
 
 
-def check_update_arguments(rule: Any, state: PyTree, grads: PyTree, params: PyTree,
+def check_update_arguments(rule: UpdateRule, state: PyTree, grads: PyTree, params: PyTree,
                            per_param_state: dict[str, tuple[int, ...]]) -> None:
     """``grads`` and every ``state[name]`` in ``per_param_state`` must have the pytree structure of
     ``params`` and its leaf shapes (with the given leading axes in front); ``state['step']`` a scalar.
@@ -192,7 +194,7 @@ def _logit(x: float) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
-class LearnableAdamRule:
+class LearnableAdamRule(UpdateRule):
     """Adam whose hyperparameters are meta-parameters (learned_optimization's ``LearnableAdam``).
 
     ``m = b1 m + (1-b1) g``, ``v = b2 v + (1-b2) g^2``, ``p <- p - lr * m_hat / (sqrt(v_hat) + eps)``
@@ -240,7 +242,7 @@ class LearnableAdamRule:
 RULE_KINDS: dict[str, type] = {MLPUpdateRule.kind: MLPUpdateRule, LearnableAdamRule.kind: LearnableAdamRule}
 
 
-def rule_to_config(rule: Any) -> dict[str, Any]:
+def rule_to_config(rule: UpdateRule) -> dict[str, Any]:
     """JSON-able description of a rule (``kind`` plus its dataclass fields)."""
     fields = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule)}
     return {"kind": rule.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}

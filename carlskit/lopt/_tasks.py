@@ -1,4 +1,6 @@
-"""Inner problems for learned optimizers: ``Task`` and ``TaskFamily`` (Metz et al. 2022, Sec. 4).
+"""The built-in inner problems for learned optimizers (Metz et al. 2022, Sec. 4): quadratics, digits
+MLPs and a digits convnet, their families, and ``as_task_family`` (one ``Task`` as a family). The
+``Task`` and ``TaskFamily`` protocols they implement live in :mod:`carlskit.lopt._protocols`.
 
 A ``Task`` is a frozen, hashable description of one problem *structure* (so it can be a static
 argument of ``jax.jit``). Instances of it differ by ``task_params`` (per-instance constants, e.g.
@@ -23,39 +25,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit.lopt._checks import finite_float, positive_int, positive_ints
+from carlskit._checks import finite_float, positive_int
+from carlskit.lopt._checks import positive_ints
+from carlskit.lopt._protocols import Task, TaskFamily
 
 PyTree = Any
 
 ACTIVATIONS = {"relu": jax.nn.relu, "tanh": jnp.tanh, "elu": jax.nn.elu, "gelu": jax.nn.gelu}
-
-
-class Task:
-    """Base class of inner problems; subclasses are frozen dataclasses."""
-
-    def sample_task_params(self, key: jax.Array) -> PyTree:
-        del key
-        return {}
-
-    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
-        raise NotImplementedError
-
-    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
-        raise NotImplementedError
-
-    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
-        raise NotImplementedError
-
-
-class TaskFamily:
-    """A distribution over task structures: ``sample(rng) -> Task``."""
-
-    def sample(self, rng: np.random.Generator) -> Task:
-        raise NotImplementedError
-
-    def tasks(self) -> tuple[Task, ...]:
-        """All structures the family can produce (finite families; used to pre-compile)."""
-        raise NotImplementedError
 
 
 # ----------------------------------------------------------------------------------- quadratic
@@ -247,3 +223,30 @@ def _conv3x3_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
     padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
     patches = jnp.concatenate([padded[:, i:i + height, j:j + width, :] for i in range(3) for j in range(3)], axis=-1)
     return patches @ kernel.reshape(-1, kernel.shape[-1])
+
+
+# ----------------------------------------------------------------------------------- one task as a family
+class SingleTaskFamily(TaskFamily):
+    """The family that always samples ``task``."""
+
+    def __init__(self, task: Task) -> None:
+        self.task = task
+
+    def __repr__(self) -> str:
+        return f"SingleTaskFamily({self.task!r})"
+
+    def tasks(self) -> tuple[Task, ...]:
+        return (self.task,)
+
+    def sample(self, rng: np.random.Generator) -> Task:
+        del rng
+        return self.task
+
+
+def as_task_family(task_family: TaskFamily | Task, name: str = "task_family") -> TaskFamily:
+    """``task_family`` itself, or a :class:`SingleTaskFamily` of a single ``Task``; TypeError otherwise."""
+    if isinstance(task_family, Task):
+        return SingleTaskFamily(task_family)
+    if not isinstance(task_family, TaskFamily):
+        raise TypeError(f"{name} must be a TaskFamily or Task, got {type(task_family).__name__}")
+    return task_family

@@ -1,4 +1,5 @@
-"""Notebook dashboards: live summaries, evaluation curves per checkpoint, cluster status.
+"""Notebook dashboards: live summaries, evaluation curves per checkpoint, cluster status, the
+meta-training learner's staleness histogram.
 
 Each object shows an ipywidgets view in a notebook and falls back to HTML (``_repr_html_``) or
 text (``__repr__``) where no widget front end exists.
@@ -10,5 +11,7 @@ from carlskit.widgets._display import smooth
 from carlskit.widgets._eval_curves import EvalCurves, curves_frame
 from carlskit.widgets._history import LivePlot
 from carlskit.widgets._live import LiveSummaries
+from carlskit.widgets._staleness import StalenessHistogram
 
-__all__ = ["LiveSummaries", "LivePlot", "EvalCurves", "ClusterStatus", "curves_frame", "smooth", "in_notebook"]
+__all__ = ["LiveSummaries", "LivePlot", "EvalCurves", "ClusterStatus", "StalenessHistogram", "curves_frame", "smooth",
+           "in_notebook"]

@@ -125,9 +125,13 @@ class ClusterStatus(WidgetDisplay):
         except Exception as error:
             self.html.value = f"<p>refresh failed: {html.escape(repr(error))}</p>"
 
-    def _on_display(self) -> None:
+    def start(self) -> None:
+        """Start the periodic refresh now (it starts by itself when the board is displayed)."""
         if self._updater is not None:
             self._updater.start()
+
+    def _on_display(self) -> None:
+        self.start()
 
     def stop(self) -> None:
         if self._updater is not None:
