@@ -20,7 +20,8 @@ The layout, one concept per module:
   optimizer as its own outer optimizer (self-training, ``outer_optimizer="self"``).
 * Single process: ``LearnedOptimizer`` (``as_optax``, save/load, ``pretrained``,
   ``meta_train`` = ``worker_estimate`` + ``learner_apply`` in a loop), ``LearnableAdam``,
-  ``optax_train_curves``, ``tuned_sgd_learning_rate``.
+  ``optax_train_curves``; the tuned baselines ``tuned_adam`` (Adam at its best of
+  ``ADAM_LEARNING_RATES``), ``tuned_sgd_learning_rate`` and ``tuned_learning_rate`` (any optax optimizer).
 * The meta-training cluster (Metz et al. 2022, App. H.1), the same core distributed: ES workers
   (``worker_estimate``) -> ``GradientStore`` -> ``Learner`` (``learner_apply``), driven and
   supervised by ``MetaTraining``; ``EvaluationChief`` with ``EvalTaskSet``,
@@ -55,7 +56,15 @@ from carlskit.lopt._inner import (
 )
 from carlskit.lopt._learner import Learner
 from carlskit.lopt._meta_training import MetaTraining
-from carlskit.lopt._optimizer import LearnableAdam, LearnedOptimizer, optax_train_curves, tuned_sgd_learning_rate
+from carlskit.lopt._optimizer import (
+    ADAM_LEARNING_RATES,
+    LearnableAdam,
+    LearnedOptimizer,
+    optax_train_curves,
+    tuned_adam,
+    tuned_learning_rate,
+    tuned_sgd_learning_rate,
+)
 from carlskit.lopt._outer import (
     Estimators,
     LearnerConfig,
@@ -70,12 +79,13 @@ from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
 from carlskit.lopt._tasks import DigitsConvTask, DigitsMLPFamily, DigitsMLPTask, QuadraticFamily, QuadraticTask
 
 __all__ = [
-    "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet", "EvaluationChief",
+    "ADAM_LEARNING_RATES", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet", "EvaluationChief",
     "GradientStore", "InnerState", "LearnableAdam", "LearnableAdamRule", "LearnedOptimizer", "Learner",
     "LearnerConfig", "LearnerState", "MLPUpdateRule", "MetaTraining", "OuterStream", "PESEstimator", "PESState",
     "QuadraticFamily", "QuadraticTask", "Task", "TaskFamily", "UpdateRule", "aggregate_losses",
     "antithetic_combine", "default_eval_task_sets", "evaluation_curves", "full_es_gradient", "init_inner_state",
     "inner_step", "learner_apply", "make_full_es_estimator", "make_pes_estimator", "optax_train_curves",
     "pes_gradient", "pes_init_state", "self_optimizer", "task_mesh", "train_task", "train_tasks_serial",
-    "train_tasks_vectorized", "tuned_sgd_learning_rate", "unroll", "worker_estimate",
+    "train_tasks_vectorized", "tuned_adam", "tuned_learning_rate", "tuned_sgd_learning_rate", "unroll",
+    "worker_estimate",
 ]

@@ -3,6 +3,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from carlskit.lopt import LearnableAdam, LearnedOptimizer, MLPUpdateRule, QuadraticFamily, QuadraticTask, TaskFamily
@@ -101,3 +102,33 @@ def test_meta_train_and_train_curves_check_sizes_and_meta_params():
 
 def _flat(tree):
     return np.concatenate([np.ravel(np.asarray(x)) for x in jax.tree.leaves(tree)])
+
+
+def test_tuned_adam_is_adam_at_the_grid_point_with_the_lowest_final_loss():
+    """Each grid curve is optax's Adam at that rate (same instances as ``optax_train_curves``), and the
+    rate returned is the one whose last-10-step mean loss is lowest (not the grid's first, so a helper
+    that returned a fixed rate fails here)."""
+    from carlskit.lopt import ADAM_LEARNING_RATES, QuadraticTask, optax_train_curves, tuned_adam
+
+    task = QuadraticTask(dim=8)
+    best, curves = tuned_adam(task, num_steps=30, num_tasks=3, seed=5)
+    assert curves.shape == (len(ADAM_LEARNING_RATES), 3, 30)
+    for i, lr in enumerate(ADAM_LEARNING_RATES):
+        np.testing.assert_allclose(curves[i], optax_train_curves(optax.adam(lr), task, 30, 3, seed=5),
+                                   rtol=1e-5, atol=1e-6)
+    finals = curves[:, :, -10:].mean(axis=(1, 2))
+    assert best == ADAM_LEARNING_RATES[int(np.argmin(finals))]
+    assert best != ADAM_LEARNING_RATES[0] and finals.min() < finals[0]
+
+
+@pytest.mark.parametrize("kwargs, error, name", [
+    (dict(learning_rates=()), ValueError, "learning_rates"),
+    (dict(learning_rates=(1e-3, -1.0)), ValueError, "learning_rates"),
+    (dict(num_steps=0), ValueError, "num_steps"),
+    (dict(num_tasks=1.5), TypeError, "num_tasks"),
+])
+def test_tuned_adam_rejects_bad_arguments(kwargs, error, name):
+    from carlskit.lopt import QuadraticTask, tuned_adam
+
+    with pytest.raises(error, match=name):
+        tuned_adam(QuadraticTask(dim=4), **kwargs)
