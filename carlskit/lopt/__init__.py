@@ -79,7 +79,8 @@ from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
 from carlskit.lopt._tasks import DigitsConvTask, DigitsMLPFamily, DigitsMLPTask, QuadraticFamily, QuadraticTask
 
 __all__ = [
-    "ADAM_LEARNING_RATES", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet", "EvaluationChief",
+    "ADAM_LEARNING_RATES", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet",
+    "EvaluationChief",
     "GradientStore", "InnerState", "LearnableAdam", "LearnableAdamRule", "LearnedOptimizer", "Learner",
     "LearnerConfig", "LearnerState", "MLPUpdateRule", "MetaTraining", "OuterStream", "PESEstimator", "PESState",
     "QuadraticFamily", "QuadraticTask", "Task", "TaskFamily", "UpdateRule", "aggregate_losses",
