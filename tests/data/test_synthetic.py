@@ -61,8 +61,8 @@ def test_saved_file_loads_as_a_planetoid_graph(tmp_path):
 
 def test_command_writes_a_graph(tmp_path):
     out = subprocess.run([sys.executable, "-m", "carlskit.data", "synthetic", str(tmp_path / "g.npz"), "--nodes",
-                          "300", "--classes", "3", "--features", "60", "--homophily", "0.7", "--val", "50", "--test", "100",
-                          "--seed", "2"],
+                          "300", "--classes", "3", "--features", "60", "--homophily", "0.7",
+                          "--val", "50", "--test", "100", "--seed", "2"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert load_planetoid(tmp_path / "g.npz").num_items == 300
