@@ -4,7 +4,10 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
 
 * the **agreement model** g(x_i, x_j) = sigmoid(w . (h_i - h_j)^2 + b), h = relu(W x) shared by
   both items, learns from pairs of labelled items (given + self-labelled) whether they share a label:
-  loss = binary cross-entropy(g(x_i, x_j), [y_i == y_j]), pairs drawn half from the same class;
+  loss = binary cross-entropy(g(x_i, x_j), [y_i == y_j]), pairs drawn half from the same class.
+  Its x is an item's features joined with the mean of its neighbours' features
+  (``agreement_neighborhood``): on a graph whose own features are weak, raw features alone left
+  every edge scored near chance (issue 19);
 * the **classifier** (graph_reg's MLP) trains on
 
       loss = CE(labelled + accepted self-labels)
@@ -18,6 +21,10 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
   item from the classifier's latest checkpoint. After each round the ``self_labels_per_round`` most
   confident items whose confidence exceeds ``confidence_threshold`` join the labelled set, balanced
   over classes (GAM's co-training curriculum); the agreement model trains on them the next round.
+
+The result is the classifier checkpoint (one every ``checkpoint_every`` steps, any round) most
+accurate on the validation split, as in the GAM paper: ``selected_round``, ``selected_step`` and
+``val_acc`` say which; ``last_test_acc`` is the last round's end.
 
 Command line (prints one JSON object as its last line)::
 
