@@ -16,8 +16,9 @@ from carlskit.data._datasets import (
 )
 from carlskit.data._fetch import PLANETOID_SHA256, UnpinnedDatasetError, convert_planetoid, fetch_planetoid
 from carlskit.data._planetoid import UnsafePickleError, load_planetoid_pickle, read_planetoid_raw
+from carlskit.data._synthetic import edge_homophily, save_planetoid, synthetic_planetoid
 
 __all__ = ["PairedDataset", "load_captioned_digits", "VOCABULARY", "Dataset", "DatasetNotFoundError", "load_digits",
            "load_planetoid", "neighbors_from_edges", "planetoid_path", "resolve_planetoid", "data_dir", "data_dirs",
            "fetch_planetoid", "convert_planetoid", "PLANETOID_SHA256", "UnpinnedDatasetError", "UnsafePickleError",
-           "load_planetoid_pickle", "read_planetoid_raw"]
+           "load_planetoid_pickle", "read_planetoid_raw", "synthetic_planetoid", "save_planetoid", "edge_homophily"]

@@ -4,6 +4,8 @@
     python -m carlskit.data fetch planetoid cora citeseer       # (shipped already; refetch them)
     python -m carlskit.data convert planetoid cora --raw DIR    # convert files you already have
     python -m carlskit.data where                               # the folders searched, in order
+    python -m carlskit.data synthetic OUT.npz --homophily 0.8 --feature-signal 0.3 --seed 0
+                                                                # a stochastic-block-model graph
 
 Exit status: 0 on success, 1 when a download or check fails, 2 for a usage error.
 """
@@ -21,7 +23,7 @@ _KNOWN = ("cora", "citeseer", "pubmed")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m carlskit.data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,convert,where}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,convert,where,synthetic}")
     fetch = commands.add_parser("fetch", help="download a data set's original files, verify and convert them",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fetch.add_argument("family", choices=["planetoid"], help="data set family")
@@ -41,6 +43,21 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--raw", required=True, help="folder holding ind.NAME.{x,y,tx,ty,allx,ally,graph,test.index}")
     convert.add_argument("--output", default=None, help="the .npz to write (default: DATA/planetoid/NAME.npz)")
     commands.add_parser("where", help="print the folders searched for data sets, first match wins")
+    synthetic = commands.add_parser("synthetic", help="write a Planetoid-format graph drawn from a stochastic block "
+                                                      "model (carlskit.data.synthetic_planetoid)",
+                                    formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    synthetic.add_argument("output", help="the .npz to write")
+    synthetic.add_argument("--nodes", type=int, default=2400, help="number of nodes")
+    synthetic.add_argument("--classes", type=int, default=6, help="number of classes")
+    synthetic.add_argument("--homophily", type=float, default=0.8, help="fraction of edges within a class")
+    synthetic.add_argument("--feature-signal", type=float, default=0.3,
+                           help="fraction of a node's words drawn from its class's words (0: features say nothing)")
+    synthetic.add_argument("--features", type=int, default=600, help="vocabulary size")
+    synthetic.add_argument("--degree", type=float, default=4.0, help="mean degree")
+    synthetic.add_argument("--labels-per-class", type=int, default=20, help="labelled nodes per class")
+    synthetic.add_argument("--val", type=int, default=500, help="validation nodes")
+    synthetic.add_argument("--test", type=int, default=1000, help="test nodes")
+    synthetic.add_argument("--seed", type=int, default=0, help="seed of the graph, features and split")
     return parser
 
 
@@ -55,6 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     from carlskit.data._fetch import PLANETOID_URL, UnpinnedDatasetError, convert_planetoid, fetch_planetoid
 
     try:
+        if args.command == "synthetic":
+            from carlskit.data._synthetic import edge_homophily, save_planetoid, synthetic_planetoid
+
+            data = synthetic_planetoid(num_nodes=args.nodes, num_classes=args.classes, homophily=args.homophily,
+                                       feature_signal=args.feature_signal, num_features=args.features,
+                                       mean_degree=args.degree, labels_per_class=args.labels_per_class,
+                                       num_val=args.val, num_test=args.test, seed=args.seed)
+            print(f"{data}, edge homophily {edge_homophily(data):.3f}", file=sys.stderr)
+            print(save_planetoid(data, args.output))
+            return 0
         if args.command == "convert":
             output = args.output or data_dir() / "planetoid" / f"{args.name}.npz"
             print(convert_planetoid(args.name, args.raw, output))

@@ -4,7 +4,10 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
 
 * the **agreement model** g(x_i, x_j) = sigmoid(w . (h_i - h_j)^2 + b), h = relu(W x) shared by
   both items, learns from pairs of labelled items (given + self-labelled) whether they share a label:
-  loss = binary cross-entropy(g(x_i, x_j), [y_i == y_j]), pairs drawn half from the same class;
+  loss = binary cross-entropy(g(x_i, x_j), [y_i == y_j]), pairs drawn half from the same class.
+  Its x is an item's features joined with the mean of its neighbours' features
+  (``agreement_neighborhood``): on a graph whose own features are weak, raw features alone left
+  every edge scored near chance (issue 19);
 * the **classifier** (graph_reg's MLP) trains on
 
       loss = CE(labelled + accepted self-labels)
@@ -18,6 +21,10 @@ Two models are co-trained in rounds, each with its own Trainer and CheckpointSto
   item from the classifier's latest checkpoint. After each round the ``self_labels_per_round`` most
   confident items whose confidence exceeds ``confidence_threshold`` join the labelled set, balanced
   over classes (GAM's co-training curriculum); the agreement model trains on them the next round.
+
+The result is the classifier checkpoint (one every ``checkpoint_every`` steps, any round) most
+accurate on the validation split, as in the GAM paper: ``selected_round``, ``selected_step`` and
+``val_acc`` say which; ``last_test_acc`` is the last round's end.
 
 Command line (prints one JSON object as its last line)::
 
@@ -47,7 +54,7 @@ from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, neighbors_from_edges
 from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker
 from carlskit.paradigms._cli import makers_running, parse_arguments, run_and_print, say
-from carlskit.paradigms.graph_reg import MLP, _features, accuracy, batches, encode, load_data
+from carlskit.paradigms.graph_reg import MLP, _features, accuracy, batches, encode, load_data, select_checkpoint
 from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer, graph_regularization, masked_cross_entropy
 
 
@@ -102,6 +109,7 @@ class GAMConfig:
     agreement_learning_rate: float = 0.003
     self_labels_per_round: int = 200
     confidence_threshold: float = 0.8  # Cora validation, seed 1: 0.800 vs 0.770 at 0.0
+    agreement_neighborhood: bool = True  # the agreement model also sees the mean of each item's neighbours' features
     row_normalize: bool = True  # bag-of-words features (Planetoid); False for dense features (digits)
 
 
@@ -152,6 +160,19 @@ def agreement_batches(features: np.ndarray, labels: np.ndarray, labelled: np.nda
     return batch
 
 
+def neighborhood_features(features: np.ndarray, neighbor_ids: np.ndarray) -> np.ndarray:
+    """``[features, mean of the neighbours' features]`` per item ([n, 2D]; zeros for an item without
+    neighbours): what the agreement model compares. On a homophilous graph whose own features are weak,
+    an item's neighbourhood says more about its class than the item itself, and a model that sees only
+    raw features scores every edge near chance (issue 19)."""
+    features = np.asarray(features, np.float32)
+    present = (neighbor_ids >= 0).astype(np.float32)
+    total = np.zeros_like(features)
+    for column in range(neighbor_ids.shape[1]):  # K gathers of [n, D], not one [n, K, D] array
+        total += present[:, column, None] * features[np.maximum(neighbor_ids[:, column], 0)]
+    return np.concatenate([features, total / np.maximum(present.sum(axis=1, keepdims=True), 1.0)], axis=1)
+
+
 def select_self_labels(labels: np.ndarray, confidence: np.ndarray, count: int, threshold: float,
                        num_classes: int) -> np.ndarray:
     """Positions of the candidates to self-label: per class, the ``count // num_classes`` most
@@ -200,71 +221,97 @@ def train(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = None
 def _co_train(data, config, bank, client, slices, workdir, seed, progress, live) -> dict:
     started = time.perf_counter()
     features = _features(data) if config.row_normalize else data.features
+    run = _build(data, config, bank, slices, workdir, seed, features)
+    classifier, agreement, makers = run["classifier"], run["agreement"], run["makers"]
+    agreement.save_checkpoint()
+    classifier.save_checkpoint()
+    run.update(working_labels=np.maximum(data.labels, 0).copy(), labelled=data.train_idx.copy(), best=None)
+    rounds = []
+    refresh = _live_view(classifier, agreement, rounds) if live else (lambda force=False: None)
+    with makers_running(list(makers.values()), bank, client):
+        for round_index in range(config.rounds):
+            rounds.append(_co_training_round(run, round_index, data, config, features, seed, progress, refresh))
+            refresh(force=True)
+    items = run["items"]
+    versions = bank.row_metadata("nbrs", items)["version"]
+    edges, _ = bank.lookup("nbrs", items)
+    best = run["best"]
+    return {"test_acc": accuracy(best["model"], features, data.labels, data.test_idx), "val_acc": best["val_acc"],
+            "selected_round": best["round"], "selected_step": best["step"],
+            "last_test_acc": accuracy(classifier.model, features, data.labels, data.test_idx),
+            "steps": classifier.step, "agreement_steps": agreement.step, "rounds": rounds,
+            "seconds": time.perf_counter() - started, "history": classifier.history,
+            "agreement_history": agreement.history, "agreement_version": int(versions.min()),
+            "missing_neighbors": int(classifier.knowledge.missing_total),
+            "neighbor_ids": edges["ids"], "agreement_weights": edges["weights"], "labelled": run["labelled"],
+            "maker_status": {name: maker.status() for name, (maker, _) in makers.items()}}
+
+
+def _build(data, config, bank, slices, workdir, seed, features) -> dict:
+    """The two trainers, the bank's tables and the three makers of a co-training run."""
     make_classifier = functools.partial(MLP, data.num_features, config.hidden, data.num_classes,
                                         dropout=config.dropout, seed=seed)
-    make_agreement = functools.partial(AgreementModel, data.num_features, config.agreement_hidden,
-                                       dropout=config.dropout, seed=seed + 7)
     items = np.arange(data.num_items, dtype=np.int64)
     unlabelled = np.setdiff1d(items, data.train_idx)
     neighbor_ids, neighbor_weights = neighbors_from_edges(data.edges, data.num_items, config.neighbors, seed=seed)
-    degree = neighbor_weights.sum(axis=1).astype(np.float32)
+    pair_features = neighborhood_features(features, neighbor_ids) if config.agreement_neighborhood else features
+    make_agreement = functools.partial(AgreementModel, pair_features.shape[1], config.agreement_hidden,
+                                       dropout=config.dropout, seed=seed + 7)
     bank.create_table("emb", dim=data.num_classes, initializer="zeros")
     bank.create_feature_table("nbrs", schema=AgreementMaker.schema(config.neighbors))
     bank.create_feature_table("labels", schema=LabelMaker.SCHEMA)
-
     agreement = Trainer(make_agreement(), optax.adamw(config.agreement_learning_rate, weight_decay=config.weight_decay),
                         agreement_loss_fn, checkpoints=CheckpointStore(f"{workdir}/agreement", keep=3),
                         checkpoint_every=config.agreement_steps)
-    classifier_store = CheckpointStore(f"{workdir}/classifier", keep=3)
+    # A round's checkpoints stay until the round's end, when the one most accurate on validation is kept.
+    classifier_store = CheckpointStore(f"{workdir}/classifier",
+                                       keep=max(3, config.classifier_steps // config.checkpoint_every + 2))
     classifier = Trainer(make_classifier(), optax.adamw(config.learning_rate, weight_decay=config.weight_decay),
                          functools.partial(classifier_loss_fn, distance=config.distance),
                          knowledge=NeighborKnowledge(bank, max_neighbors=config.neighbors),
                          checkpoints=classifier_store, checkpoint_every=config.checkpoint_every)
     makers = {
-        "agreement": (Maker(AgreementMaker(make_agreement, features, neighbor_ids), items, num_slices=slices,
+        "agreement": (Maker(AgreementMaker(make_agreement, pair_features, neighbor_ids), items, num_slices=slices,
                             name="agreement"), agreement.checkpoints),
         "embeddings": (Maker(EmbeddingMaker(make_classifier, encode, features), items, num_slices=slices,
                              name="embeddings"), classifier_store),
         "self_labels": (Maker(LabelMaker(make_classifier, features), unlabelled, num_slices=slices,
                               name="self_labels"), classifier_store),
     }
+    return {"classifier": classifier, "agreement": agreement, "makers": makers, "items": items, "bank": bank,
+            "unlabelled": unlabelled, "pair_features": pair_features,
+            "degree": neighbor_weights.sum(axis=1).astype(np.float32),
+            "make_classifier": make_classifier}
+
+
+def _co_training_round(run, round_index, data, config, features, seed, progress, refresh) -> dict:
+    """One round: the agreement model, then the classifier, then self-labels; keeps the classifier
+    checkpoint most accurate on validation so far in ``run["best"]``."""
+    classifier, agreement, makers = run["classifier"], run["agreement"], run["makers"]
+    round_seed, first_step = seed * 1000 + round_index, classifier.step
+    label = progress and f"GAM round {round_index + 1}/{config.rounds}"
+    pairs = agreement_batches(run["pair_features"], run["working_labels"], run["labelled"], config.agreement_batch_size,
+                              round_seed)
+    agreement.fit(functools.partial(_observed, pairs, refresh), config.agreement_steps,
+                  progress=label and f"{label}: agreement model", live=False)
     agreement.save_checkpoint()
+    makers["agreement"][0].wait_for_version(agreement.step)
+    source = batches(replace(data, labels=run["working_labels"], train_idx=run["labelled"]), features, config,
+                     round_seed, config.multiplier)
+    classifier.fit(functools.partial(_observed, functools.partial(_with_degree, source, run["degree"]), refresh),
+                   config.classifier_steps, progress=label and f"{label}: classifier", live=False)
     classifier.save_checkpoint()
-    working_labels = np.maximum(data.labels, 0).copy()
-    labelled = data.train_idx.copy()
-    rounds = []
-    refresh = _live_view(classifier, agreement, rounds) if live else (lambda force=False: None)
-    with makers_running(list(makers.values()), bank, client):
-        for round_index in range(config.rounds):
-            round_seed = seed * 1000 + round_index
-            pairs = agreement_batches(features, working_labels, labelled, config.agreement_batch_size, round_seed)
-            agreement.fit(functools.partial(_observed, pairs, refresh), config.agreement_steps,
-                          progress=progress and f"GAM round {round_index + 1}/{config.rounds}: agreement model",
-                          live=False)
-            agreement.save_checkpoint()
-            makers["agreement"][0].wait_for_version(agreement.step)
-            source = batches(replace(data, labels=working_labels, train_idx=labelled), features, config,
-                             round_seed, config.multiplier)
-            classifier.fit(functools.partial(_observed, functools.partial(_with_degree, source, degree), refresh),
-                           config.classifier_steps,
-                           progress=progress and f"GAM round {round_index + 1}/{config.rounds}: classifier", live=False)
-            classifier.save_checkpoint()
-            makers["self_labels"][0].wait_for_version(classifier.step)
-            added = _accept_self_labels(bank, data, config, unlabelled, labelled, working_labels)
-            labelled = np.union1d(labelled, added)
-            rounds.append(_round_record(round_index, classifier, agreement, data, features, labelled,
-                                        working_labels, added))
-            refresh(force=True)
-    versions = bank.row_metadata("nbrs", items)["version"]
-    edges, _ = bank.lookup("nbrs", items)
-    return {"test_acc": accuracy(classifier.model, features, data.labels, data.test_idx),
-            "val_acc": accuracy(classifier.model, features, data.labels, data.val_idx),
-            "steps": classifier.step, "agreement_steps": agreement.step, "rounds": rounds,
-            "seconds": time.perf_counter() - started, "history": classifier.history,
-            "agreement_history": agreement.history, "agreement_version": int(versions.min()),
-            "missing_neighbors": int(classifier.knowledge.missing_total),
-            "neighbor_ids": edges["ids"], "agreement_weights": edges["weights"], "labelled": labelled,
-            "maker_status": {name: maker.status() for name, (maker, _) in makers.items()}}
+    selected = select_checkpoint(classifier, [v for v in classifier.checkpoints.versions() if v > first_step],
+                                 run["make_classifier"], features, data)
+    if run["best"] is None or selected["val_acc"] >= run["best"]["val_acc"]:
+        run["best"] = {**selected, "round": round_index}
+    makers["self_labels"][0].wait_for_version(classifier.step)
+    added = _accept_self_labels(run["bank"], data, config,
+                                run["unlabelled"], run["labelled"], run["working_labels"])
+    run["labelled"] = np.union1d(run["labelled"], added)
+    return {**_round_record(round_index, classifier, agreement, data, features, run["labelled"],
+                            run["working_labels"], added),
+            "best_val_acc": selected["val_acc"], "best_step": selected["step"]}
 
 
 def _live_view(classifier: Trainer, agreement: Trainer, rounds: list[dict]):
@@ -338,7 +385,8 @@ def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = No
     return {
         "data": data.name, "base_test_acc": base["test_acc"], "gam_test_acc": gam["test_acc"],
         "base_val_acc": base["val_acc"], "gam_val_acc": gam["val_acc"],
-        "rounds": gam["rounds"],
+        "rounds": gam["rounds"], "selected_round": gam["selected_round"], "selected_step": gam["selected_step"],
+        "val_acc": gam["val_acc"], "base_selected_step": base["selected_step"],
         "steps": gam["steps"], "agreement_steps": gam["agreement_steps"],
         "seconds": base["seconds"] + gam["seconds"], "missing_neighbors": gam["missing_neighbors"],
         "config": asdict(config), "seed": seed,

@@ -138,7 +138,9 @@ def _features(data: Dataset) -> np.ndarray:
 def train(data: Dataset, config: GraphRegConfig, *, regularize: bool, seed: int = 0, client: Any = None,
           num_shards: int = 1, workdir: str | None = None, progress: bool | str = False) -> dict:
     """Train one MLP; with ``regularize`` the bank, an embedding maker (and a neighbour maker for a
-    learned graph) run beside the trainer. Returns accuracies, steps, seconds and statistics."""
+    learned graph) run beside the trainer. The checkpoint (one every ``checkpoint_every`` steps) most
+    accurate on the validation split is the result (``selected_step``, ``val_acc``; the last step wins
+    ties). Returns accuracies, steps, seconds and statistics."""
     features = _features(data)
     make_model = functools.partial(MLP, data.num_features, config.hidden, data.num_classes,
                                    dropout=config.dropout, seed=seed)
@@ -146,22 +148,22 @@ def train(data: Dataset, config: GraphRegConfig, *, regularize: bool, seed: int 
     optimizer = optax.adamw(config.learning_rate, weight_decay=config.weight_decay)
     started = time.perf_counter()
     loss = functools.partial(loss_fn, distance=config.distance)
-    if not regularize:
-        trainer = Trainer(model, optimizer, loss)
-        trainer.fit(batches(data, features, config, seed, 0.0), config.steps, progress=progress, live=False)
-        return _result(trainer, data, features, started, {})
-
     with tempfile.TemporaryDirectory(prefix="carlskit-graph-reg-") as scratch:
+        store = CheckpointStore(f"{workdir or scratch}/checkpoints", keep=None)  # all kept: selected at the end
+        if not regularize:
+            trainer = Trainer(model, optimizer, loss, checkpoints=store, checkpoint_every=config.checkpoint_every)
+            trainer.fit(batches(data, features, config, seed, 0.0), config.steps, progress=progress, live=False)
+            return _result(trainer, data, features, started, {}, make_model)
         bank = KnowledgeBank(client=client, num_shards=num_shards)
         try:
             return _train_with_bank(data, config, model, optimizer, loss, make_model, features, bank,
-                                    client, num_shards, workdir or scratch, progress, started, seed)
+                                    client, num_shards, store, progress, started, seed)
         finally:
             bank.close()
 
 
 def _train_with_bank(data, config, model, optimizer, loss, make_model, features, bank, client,
-                     num_shards, workdir, progress, started, seed) -> dict:
+                     num_shards, store, progress, started, seed) -> dict:
     width = config.neighbors
     bank.create_table("emb", dim=data.num_classes, initializer="zeros")
     bank.create_feature_table("nbrs", schema={"ids": ("int64", width), "weights": ("float32", width)})
@@ -179,7 +181,6 @@ def _train_with_bank(data, config, model, optimizer, loss, make_model, features,
     tables = ("emb", "hidden") if config.learned_graph else ("emb",)
     makers.insert(0, Maker(EmbeddingMaker(make_model, functools.partial(encode, tables=tables), features), items,
                            num_slices=slices, name="embeddings"))
-    store = CheckpointStore(f"{workdir}/checkpoints", keep=3)
     trainer = Trainer(model, optimizer, loss, knowledge=NeighborKnowledge(bank, max_neighbors=config.neighbors),
                       checkpoints=store, checkpoint_every=config.checkpoint_every)
     trainer.save_checkpoint()  # version 0: makers fill the bank while the trainer warms up
@@ -190,12 +191,35 @@ def _train_with_bank(data, config, model, optimizer, loss, make_model, features,
     extra = {"maker_status": [m.status() for m in makers],
              "mean_staleness": float(np.mean(staleness)) if staleness else None,
              "missing_neighbors": int(trainer.knowledge.missing_total)}
-    return _result(trainer, data, features, started, extra)
+    return _result(trainer, data, features, started, extra, make_model)
 
 
-def _result(trainer: Trainer, data: Dataset, features: np.ndarray, started: float, extra: dict) -> dict:
-    return {"test_acc": accuracy(trainer.model, features, data.labels, data.test_idx),
-            "val_acc": accuracy(trainer.model, features, data.labels, data.val_idx),
+def select_checkpoint(trainer: Trainer, versions, make_model, features: np.ndarray, data: Dataset) -> dict:
+    """Of the trainer's checkpoints ``versions`` (and its current state), the model most accurate on
+    ``data``'s validation split; the latest wins ties, and the current state when there is no
+    validation split. Returns ``{"step", "val_acc", "model"}`` (the model a new one from ``make_model``)."""
+    trainer.save_checkpoint()  # the current state is a candidate too (no-op if already published)
+    model = make_model()
+    candidates = sorted({int(v) for v in versions} | {trainer.step}) if len(data.val_idx) else [trainer.step]
+    best = None
+    for version in candidates:
+        if trainer.checkpoints is None or version == trainer.step:
+            state = trainer.checkpoint_tree()["model"]
+        else:
+            state = trainer.checkpoints.load(version, target=trainer.checkpoint_tree())[0]["model"]
+        nnx.update(model, state)
+        score = accuracy(model, features, data.labels, data.val_idx) if len(data.val_idx) else float("nan")
+        if best is None or score >= best[1]:
+            best = (version, score, state)
+    nnx.update(model, best[2])
+    return {"step": best[0], "val_acc": best[1], "model": model}
+
+
+def _result(trainer: Trainer, data: Dataset, features: np.ndarray, started: float, extra: dict, make_model) -> dict:
+    selected = select_checkpoint(trainer, trainer.checkpoints.versions(), make_model, features, data)
+    return {"test_acc": accuracy(selected["model"], features, data.labels, data.test_idx),
+            "val_acc": selected["val_acc"], "selected_step": selected["step"],
+            "last_val_acc": accuracy(trainer.model, features, data.labels, data.val_idx),
             "steps": trainer.step, "seconds": time.perf_counter() - started, "history": trainer.history, **extra}
 
 
@@ -207,7 +231,8 @@ def compare(data: Dataset, config: GraphRegConfig, *, seed: int = 0, client: Any
                   progress=progress and f"{data.name}: MLP + graph regularization")
     return {
         "data": data.name, "base_test_acc": base["test_acc"], "graph_reg_test_acc": graph["test_acc"],
-        "base_val_acc": base["val_acc"], "graph_reg_val_acc": graph["val_acc"],
+        "base_val_acc": base["val_acc"], "graph_reg_val_acc": graph["val_acc"], "val_acc": graph["val_acc"],
+        "selected_step": graph["selected_step"], "base_selected_step": base["selected_step"],
         "steps": graph["steps"], "seconds": base["seconds"] + graph["seconds"],
         "mean_staleness": graph["mean_staleness"], "missing_neighbors": graph["missing_neighbors"],
         "config": asdict(config), "seed": seed,

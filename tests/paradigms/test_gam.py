@@ -141,3 +141,23 @@ def test_cora_command_reports_both_accuracies():
     assert {"base_test_acc", "gam_test_acc", "rounds", "steps", "seconds"} <= set(result)
     assert result["steps"] == 100 and len(result["rounds"]) == 2
     assert result["gam_test_acc"] >= result["base_test_acc"] + 0.10, result
+
+
+def test_the_round_and_checkpoint_most_accurate_on_validation_are_selected():
+    from carlskit.data import synthetic_planetoid
+
+    data = synthetic_planetoid(num_nodes=400, num_classes=3, num_features=90, feature_signal=0.3, homophily=0.85,
+                               labels_per_class=8, num_val=120, num_test=150, seed=5)
+    config = replace(gam.GAMConfig(), rounds=3, classifier_steps=20, agreement_steps=10, warmup_steps=5,
+                     checkpoint_every=5, batch_size=128, self_labels_per_round=30, hidden=16, agreement_hidden=8)
+    result = gam.compare(data, config, seed=0)
+    rounds = result["rounds"]
+    best = [r["best_val_acc"] for r in rounds]
+    assert result["val_acc"] == max(best) and result["gam_val_acc"] == max(best)
+    assert result["selected_round"] == max(i for i, v in enumerate(best) if v == max(best)), "later rounds win ties"
+    chosen = rounds[result["selected_round"]]
+    assert result["selected_step"] == chosen["best_step"]
+    assert chosen["step"] - config.classifier_steps < result["selected_step"] <= chosen["step"]
+    assert all(r["best_val_acc"] >= r["val_acc"] for r in rounds), "a round's last checkpoint is a candidate"
+    assert 0 < result["base_selected_step"] <= result["steps"]
+    json.dumps({k: v for k, v in result.items()})  # the command's JSON line holds the selection

@@ -50,3 +50,30 @@ def test_cora_graph_regularization_beats_the_plain_mlp():
     assert {"base_test_acc", "graph_reg_test_acc", "steps", "seconds"} <= set(result)
     assert result["steps"] == 200
     assert result["graph_reg_test_acc"] >= result["base_test_acc"] + 0.10, result
+
+
+def test_the_checkpoint_most_accurate_on_validation_is_the_result(tmp_path):
+    import optax
+    from flax import nnx
+
+    from carlskit.data import synthetic_planetoid
+    from carlskit.training import CheckpointStore, Trainer
+
+    data = synthetic_planetoid(num_nodes=400, num_classes=3, num_features=90, feature_signal=0.3, homophily=0.85,
+                               labels_per_class=8, num_val=120, num_test=150, seed=5)
+    config = graph_reg.GraphRegConfig(steps=40, checkpoint_every=5, warmup_steps=5, batch_size=128, hidden=16)
+    result = graph_reg.train(data, config, regularize=True, seed=0, workdir=str(tmp_path))
+    assert result["val_acc"] >= result["last_val_acc"]
+    # Replay the selection from the kept checkpoints: the latest of the most accurate on validation.
+    store = CheckpointStore(tmp_path / "checkpoints", keep=None)
+    model = graph_reg.MLP(data.num_features, 16, 3, dropout=0.5, seed=0)
+    target = Trainer(model, optax.adamw(0.01), graph_reg.loss_fn).checkpoint_tree()
+    scores = {}
+    for version in store.versions():
+        nnx.update(model, store.load(version, target=target)[0]["model"])
+        scores[version] = graph_reg.accuracy(model, graph_reg._features(data), data.labels, data.val_idx)
+    assert sorted(scores) == list(range(0, 41, 5))
+    assert result["val_acc"] == max(scores.values())
+    assert result["selected_step"] == max(s for s, v in scores.items() if v == max(scores.values()))
+    nnx.update(model, store.load(result["selected_step"], target=target)[0]["model"])
+    assert result["test_acc"] == graph_reg.accuracy(model, graph_reg._features(data), data.labels, data.test_idx)
