@@ -271,5 +271,5 @@ def test_service_placements_take_a_default_and_per_role_overrides_by_name():
         service_placements(None, None, {"learner": {"gpus": 1}})
     with pytest.raises(TypeError, match=r"placement\['es_workers'\] must be a Placement or a dict"):
         service_placements(None, None, {"es_workers": 3})
-    with pytest.raises(ValueError, match=r"resources\['GPU'\] must be a number > 0"):
+    with pytest.raises(ValueError, match=r"resources\['GPU'\] must be a (finite )?number > 0"):
         service_placements(None, {"GPU": 0}, None)
