@@ -11,6 +11,13 @@ the version of the embeddings it read).
 
     python benchmarks/graph_neighbors.py [--small]
 Last line: JSON with bank_t100_over_t1, baseline_t100_over_t1, per-K times and staleness.
+
+    python benchmarks/graph_neighbors.py --only million [--nodes 20000] [--workers 2]
+The graph-size side (issue 19): a synthetic SBM-like graph of 1,000,000 nodes (features and
+neighbours computed from the node id, see ``million_features``), the bank sharded on ``--workers``
+Dask workers with an embedding maker there encoding every node from the latest checkpoint. Last
+line: JSON with step_1m_over_10k, the makers' refresh rate, the bank's bytes per node and the
+staleness in checkpoint versions (``--nodes`` shrinks the large graph for a smoke test).
 """
 
 from __future__ import annotations
@@ -75,10 +82,171 @@ def time_fit(trainer: Trainer, data, steps: int, warmup: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+MILLION_FEATURES, MILLION_BLOCKS, MILLION_K, CODEBOOK_ROWS = 128, 7, 10, 4096
+
+
+def million_codebook() -> np.ndarray:
+    """The only stored feature data of the synthetic graph: [CODEBOOK_ROWS + MILLION_BLOCKS, F] float32
+    (2 MiB). Node i's features are a codebook row picked by a hash of i plus its block's mean."""
+    return np.random.default_rng(19).normal(size=(CODEBOOK_ROWS + MILLION_BLOCKS, MILLION_FEATURES)).astype(np.float32)
+
+
+def million_features(ids, codebook, xp=np):
+    """Features of nodes ``ids`` computed on the fly (numpy or jax.numpy as ``xp``)."""
+    ids = ids.astype(xp.uint32)
+    row = (ids * xp.uint32(2654435761)) >> 20  # Knuth's multiplicative hash, 12 bits: [0, 4096)
+    return codebook[row.astype(xp.int32)] + codebook[(CODEBOOK_ROWS + ids % MILLION_BLOCKS).astype(xp.int32)]
+
+
+def million_encode(model, ids, codebook):
+    """The maker's encoder: its 'features' are node ids; the features are computed on the fly."""
+    return encode(model, million_features(ids, jnp.asarray(codebook), jnp))
+
+
+def million_neighbors(ids: np.ndarray, num_nodes: int) -> np.ndarray:
+    """SBM-like neighbours computed per node: [len(ids), MILLION_K], each in the node's block
+    (id mod MILLION_BLOCKS) with probability 0.8, else uniform over all nodes."""
+    ids = ids.astype(np.uint64)[:, None]
+    slot = np.arange(MILLION_K, dtype=np.uint64)[None, :]
+    h = (ids * np.uint64(0x9E3779B97F4A7C15) + slot * np.uint64(0xBF58476D1CE4E5B9)) >> np.uint64(16)
+    h = h * np.uint64(0x94D049BB133111EB) >> np.uint64(8)
+    same = (h % np.uint64(10)) < np.uint64(8)
+    per_block = np.uint64(num_nodes // MILLION_BLOCKS)
+    in_block = ids % np.uint64(MILLION_BLOCKS) + np.uint64(MILLION_BLOCKS) * ((h >> np.uint64(8)) % per_block)
+    anywhere = (h >> np.uint64(8)) % np.uint64(num_nodes)
+    return np.where(same, in_block, anywhere).astype(np.int64)
+
+
+def million_data(num_nodes: int, batch_size: int, codebook: np.ndarray):
+    rng = np.random.default_rng(0)
+
+    def batch(step):
+        ids = rng.integers(0, num_nodes, batch_size)
+        return {"ids": ids, "features": million_features(ids, codebook), "labels": ids % MILLION_BLOCKS,
+                "labelled": np.ones(batch_size, bool)}
+
+    return batch
+
+
+def million_run(num_nodes: int, client, num_shards: int, batch_size: int) -> tuple[KnowledgeBank, dict]:
+    """One graph size: fill the sharded bank's neighbour records, let the maker encode every node
+    (version 0), train with the maker live (staleness), time one refresh from a checkpoint's
+    publication, read the maker's rate. Returns the filled bank (for timing) and the figures."""
+    codebook = million_codebook()
+    make_model = functools.partial(MLP, MILLION_FEATURES, 64, MILLION_BLOCKS, dropout=0.5, seed=0)
+    items = np.arange(num_nodes, dtype=np.int64)
+    bank = KnowledgeBank(client=client, num_shards=num_shards)
+    out: dict = {"nodes": num_nodes}
+    bank.create_table("emb", dim=MILLION_BLOCKS, initializer="zeros")
+    bank.create_feature_table("nbrs", schema={"ids": ("int64", MILLION_K), "weights": ("float32", MILLION_K)})
+    start = time.perf_counter()
+    for lo in range(0, num_nodes, 100_000):
+        chunk = items[lo:lo + 100_000]
+        bank.update("nbrs", chunk, {"ids": million_neighbors(chunk, num_nodes),
+                                    "weights": np.full((len(chunk), MILLION_K), 1.0 / MILLION_K, np.float32)},
+                    version=0)
+    out["fill_neighbors_s"] = time.perf_counter() - start
+    every = 5
+    with tempfile.TemporaryDirectory() as directory:
+        store = CheckpointStore(directory, keep=3)
+        trainer = Trainer(make_model(), optax.adam(1e-3), bank_loss,
+                          knowledge=NeighborKnowledge(bank, max_neighbors=MILLION_K),
+                          checkpoints=store, checkpoint_every=every)
+        trainer.save_checkpoint()
+        maker = Maker(EmbeddingMaker(make_model, functools.partial(million_encode, codebook=codebook), items,
+                                     batch_size=8192),
+                      items, num_slices=num_shards, name="embeddings", poll_seconds=0.05)
+        data = million_data(num_nodes, batch_size, codebook)
+        start = time.perf_counter()
+        maker.start(store, bank, client)
+        try:
+            maker.wait_for_version(0, timeout=1800)
+            out["first_refresh_s"] = time.perf_counter() - start  # includes the workers' compile
+            trainer.fit(data, 8 * every, progress=False, live=False)
+            trainer.fit(data, 1, progress=False, live=False)
+            start = time.perf_counter()
+            trainer.save_checkpoint()
+            maker.wait_for_version(trainer.step, timeout=1800)
+            # publication to every node re-encoded; may include finishing the round in progress
+            out["refresh_wall_s"] = time.perf_counter() - start
+            slices = maker.status()["slices"]
+        finally:
+            maker.stop()
+    rates = [s["items_per_s"] for s in slices if s["items_per_s"]]
+    out["maker_items_per_s"] = float(sum(rates))  # slices run in parallel, one per worker
+    out["maker_rounds"] = [s["rounds"] for s in slices]
+    out["refresh_all_s"] = num_nodes / out["maker_items_per_s"]
+    staleness = np.array([r["staleness"] for r in trainer.history if np.isfinite(r.get("staleness", np.nan))])
+    out["staleness_steps_mean"] = float(staleness.mean())
+    out["staleness_versions_mean"] = float(staleness.mean()) / every
+    out["staleness_versions_max"] = float(staleness.max()) / every
+    out["checkpoint_every"] = every
+    tables = bank.stats()["tables"]
+    out["bank_bytes"] = {name: int(t["resident_bytes"]) for name, t in tables.items()}
+    out["bank_bytes_per_node"] = sum(out["bank_bytes"].values()) / num_nodes
+    print(f"{num_nodes} nodes: {json.dumps(out)}", file=sys.stderr, flush=True)
+    return bank, out
+
+
+def million_step_times(banks: dict[int, KnowledgeBank], batch_size: int, steps: int, warmup: int,
+                       repeats: int) -> dict[int, float]:
+    """Trainer step time per graph size (maker stopped), sizes alternated ``repeats`` times so that
+    load from other processes falls on both; the median per size."""
+    codebook = million_codebook()
+    make_model = functools.partial(MLP, MILLION_FEATURES, 64, MILLION_BLOCKS, dropout=0.5, seed=0)
+    times: dict[int, list[float]] = {n: [] for n in banks}
+    for _ in range(repeats):
+        for num_nodes, bank in banks.items():
+            trainer = Trainer(make_model(), optax.adam(1e-3), bank_loss,
+                              knowledge=NeighborKnowledge(bank, max_neighbors=MILLION_K))
+            times[num_nodes].append(time_fit(trainer, million_data(num_nodes, batch_size, codebook), steps, warmup))
+            print(f"{num_nodes} nodes: {times[num_nodes][-1] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+    return {n: float(np.median(t)) for n, t in times.items()}
+
+
+def million_main(num_nodes: int, workers: int, small: bool) -> None:
+    batch_size = 128
+    steps, warmup, repeats = (20, 5, 2) if small else (100, 10, 3)
+    client = None
+    if workers > 0:
+        from carlskit.cluster import connect
+
+        client = connect(n_workers=workers, memory_limit="2.5GiB")
+    banks: dict[int, KnowledgeBank] = {}
+    try:
+        banks[10_000], small_run = million_run(10_000, client, max(1, workers), batch_size)
+        banks[num_nodes], large_run = million_run(num_nodes, client, max(1, workers), batch_size)
+        step = million_step_times(banks, batch_size, steps, warmup, repeats)
+    finally:
+        for bank in banks.values():
+            bank.close()
+        if client is not None:
+            client.close()
+    results = {
+        "nodes": num_nodes, "workers": workers, "bank_shards": max(1, workers), "batch_size": batch_size,
+        "k": MILLION_K, "feature_dim": MILLION_FEATURES, "feature_bytes_stored": int(million_codebook().nbytes),
+        "step_10k_s": step[10_000], "step_1m_s": step[num_nodes], "step_1m_over_10k": step[num_nodes] / step[10_000],
+        "maker_items_per_s": large_run["maker_items_per_s"], "maker_refresh_all_s": large_run["refresh_all_s"],
+        "maker_refresh_wall_s": large_run["refresh_wall_s"], "maker_first_refresh_s": large_run["first_refresh_s"],
+        "bank_bytes_per_node": large_run["bank_bytes_per_node"], "bank_bytes": large_run["bank_bytes"],
+        "staleness_versions_mean": large_run["staleness_versions_mean"],
+        "staleness_versions_max": large_run["staleness_versions_max"],
+        "staleness_checkpoint_every": large_run["checkpoint_every"],
+        "runs": {"10k": small_run, "large": large_run},
+    }
+    print(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--only", choices=["million"], default=None,
+                        help="run only this part (default: the neighbour-count part)")
+    parser.add_argument("--nodes", type=int, default=1_000_000, help="--only million: the large graph's nodes")
+    parser.add_argument("--workers", type=int, default=2, help="--only million: Dask workers (0: in-process bank)")
     args = parser.parse_args()
+    if args.only == "million":
+        return million_main(args.nodes, args.workers, args.small)
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     ks = [1, 10, 30, 100]
     # The same batch in both sizes: the bank's lookups hide behind a step only when the step has
