@@ -90,8 +90,10 @@ def report_pid_until_stopped(path, flag):
     from carlskit.cluster._supervised import secede_if_on_worker
 
     secede_if_on_worker()
+    temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     while not flag.is_set():
-        path.write_text(str(os.getpid()))
+        temporary.write_text(str(os.getpid()))
+        os.replace(temporary, path)  # atomic: the test never reads a truncated, empty file
         time.sleep(0.05)
 
 
