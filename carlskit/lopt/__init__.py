@@ -5,8 +5,13 @@ The layout, one concept per module:
 * Contracts (``_protocols``): ``UpdateRule``, ``Task``, ``TaskFamily``, runtime-checkable
   ``typing.Protocol`` s in the style of optax's ``GradientTransformation``; every function below
   is typed against them, and any object with their methods qualifies.
-* Built-ins: rules ``MLPUpdateRule``, ``LearnableAdamRule`` (``_rules``); tasks ``QuadraticTask``,
-  ``QuadraticFamily``, ``DigitsMLPTask``, ``DigitsMLPFamily``, ``DigitsConvTask`` (``_tasks``).
+* Built-ins: rules ``MLPUpdateRule``, ``HierarchicalRule`` (per-tensor MLP over Adam-like
+  directions, the shipped one), ``LearnableAdamRule`` (``_rules``); tasks and families
+  (``_tasks``): ``QuadraticTask``/``QuadraticFamily``, ``DigitsMLPTask``/``DigitsMLPFamily``,
+  ``DigitsConvTask``/``ConvFamily``, ``MLPTask``/``MLPFamily`` and ``AutoencoderTask``/
+  ``AutoencoderFamily`` on the bundled scikit-learn data sets (``DATASETS``, ``dataset_arrays``),
+  ``LinearRegressionTask``/``LinearRegressionFamily``, ``MixtureFamily``; the shipped optimizer's
+  ``meta_training_family()`` and the ``held_out_problems()`` it never saw.
 * Inner training (``_inner``): ``inner_step``, the one inner step that training and evaluation
   both run; ``unroll``, ``train_task``, ``train_tasks_vectorized``, ``train_tasks_serial``,
   ``init_inner_state``, ``InnerState``, ``aggregate_losses``.
@@ -21,7 +26,8 @@ The layout, one concept per module:
 * Single process: ``LearnedOptimizer`` (``as_optax``, save/load, ``pretrained``,
   ``meta_train`` = ``worker_estimate`` + ``learner_apply`` in a loop), ``LearnableAdam``,
   ``optax_train_curves``; the tuned baselines ``tuned_adam`` (Adam at its best of
-  ``ADAM_LEARNING_RATES``), ``tuned_sgd_learning_rate`` and ``tuned_learning_rate`` (any optax optimizer).
+  ``ADAM_LEARNING_RATES``), ``tuned_sgd_learning_rate`` and ``tuned_learning_rate`` (any optax optimizer);
+  ``compare_to_tuned_adam`` (the per-problem table), ``final_loss``, ``geometric_mean_ratio``.
 * The meta-training cluster (Metz et al. 2022, App. H.1), the same core distributed: ES workers
   (``worker_estimate``) -> ``GradientStore`` -> ``Learner`` (``learner_apply``), driven and
   supervised by ``MetaTraining``; ``EvaluationChief`` with ``EvalTaskSet``,
@@ -60,6 +66,9 @@ from carlskit.lopt._optimizer import (
     ADAM_LEARNING_RATES,
     LearnableAdam,
     LearnedOptimizer,
+    compare_to_tuned_adam,
+    final_loss,
+    geometric_mean_ratio,
     optax_train_curves,
     tuned_adam,
     tuned_learning_rate,
@@ -75,11 +84,32 @@ from carlskit.lopt._outer import (
     worker_estimate,
 )
 from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
-from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
-from carlskit.lopt._tasks import DigitsConvTask, DigitsMLPFamily, DigitsMLPTask, QuadraticFamily, QuadraticTask
+from carlskit.lopt._rules import HierarchicalRule, LearnableAdamRule, MLPUpdateRule
+from carlskit.lopt._tasks import (
+    DATASETS,
+    AutoencoderFamily,
+    AutoencoderTask,
+    ConvFamily,
+    DigitsConvTask,
+    DigitsMLPFamily,
+    DigitsMLPTask,
+    LinearRegressionFamily,
+    LinearRegressionTask,
+    MixtureFamily,
+    MLPFamily,
+    MLPTask,
+    QuadraticFamily,
+    QuadraticTask,
+    dataset_arrays,
+    held_out_problems,
+    meta_training_family,
+)
 
 __all__ = [
-    "ADAM_LEARNING_RATES", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet",
+    "ADAM_LEARNING_RATES", "DATASETS", "AutoencoderFamily", "AutoencoderTask", "ConvFamily", "HierarchicalRule",
+    "LinearRegressionFamily", "LinearRegressionTask", "MLPFamily", "MLPTask", "MixtureFamily",
+    "compare_to_tuned_adam", "dataset_arrays", "final_loss", "geometric_mean_ratio", "held_out_problems",
+    "meta_training_family", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet",
     "EvaluationChief",
     "GradientStore", "InnerState", "LearnableAdam", "LearnableAdamRule", "LearnedOptimizer", "Learner",
     "LearnerConfig", "LearnerState", "MLPUpdateRule", "MetaTraining", "OuterStream", "PESEstimator", "PESState",

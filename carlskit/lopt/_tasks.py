@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit._checks import finite_float, positive_int
+from carlskit._checks import finite_float, integer, positive_int
 from carlskit.lopt._checks import positive_ints
 from carlskit.lopt._protocols import Task, TaskFamily
 
@@ -250,3 +250,299 @@ def as_task_family(task_family: TaskFamily | Task, name: str = "task_family") ->
     if not isinstance(task_family, TaskFamily):
         raise TypeError(f"{name} must be a TaskFamily or Task, got {type(task_family).__name__}")
     return task_family
+
+
+# ------------------------------------------------------------------- scikit-learn data sets
+# Bundled with scikit-learn (nothing downloads). Features are standardised per column; regression
+# targets too, so every loss starts near 1 and the outer losses of different families are comparable.
+DATASETS: dict[str, str] = {"digits": "classification", "iris": "classification", "wine": "classification",
+                            "breast_cancer": "classification", "diabetes": "regression"}
+
+
+@functools.lru_cache(maxsize=None)
+def dataset_arrays(name: str) -> tuple[np.ndarray, np.ndarray, int]:
+    """``(features [n, d] float32 standardised, targets [n], num_outputs)`` of a bundled scikit-learn
+    data set: int32 labels and the number of classes, or a standardised float32 target and 1."""
+    _check_dataset(name)
+    import sklearn.datasets
+
+    data = getattr(sklearn.datasets, f"load_{name}")()
+    features = data.data.astype(np.float64)
+    features = (features - features.mean(0)) / np.maximum(features.std(0), 1e-8)
+    if DATASETS[name] == "classification":
+        labels = data.target.astype(np.int32)
+        return features.astype(np.float32), labels, int(labels.max()) + 1
+    target = data.target.astype(np.float64)
+    return features.astype(np.float32), ((target - target.mean()) / target.std()).astype(np.float32), 1
+
+
+def _check_dataset(name: Any) -> None:
+    if not isinstance(name, str) or name not in DATASETS:
+        raise ValueError(f"dataset must be one of {sorted(DATASETS)}, got {name!r}")
+
+
+def _dataset_batch(name: str, key: jax.Array, batch_size: int) -> dict[str, jax.Array]:
+    features, targets, _ = dataset_arrays(name)
+    index = jax.random.randint(key, (batch_size,), 0, features.shape[0])
+    return {"x": jnp.asarray(features)[index], "y": jnp.asarray(targets)[index]}
+
+
+def _mlp_init(key: jax.Array, sizes: tuple[int, ...]) -> list[dict[str, jax.Array]]:
+    keys = jax.random.split(key, len(sizes) - 1)
+    return [{"w": jax.random.normal(k, (a, b), jnp.float32) / math.sqrt(a), "b": jnp.zeros((b,), jnp.float32)}
+            for k, a, b in zip(keys, sizes[:-1], sizes[1:])]
+
+
+def _mlp_apply(params: list[dict[str, jax.Array]], x: jax.Array, activation: str) -> jax.Array:
+    act = ACTIVATIONS[activation]
+    for layer in params[:-1]:
+        x = act(x @ layer["w"] + layer["b"])
+    return x @ params[-1]["w"] + params[-1]["b"]
+
+
+def _check_network(task: Any) -> None:
+    _check_dataset(task.dataset)
+    _check_activation(task.activation)
+    object.__setattr__(task, "hidden_sizes", positive_ints(task.hidden_sizes, "hidden_sizes", allow_empty=True))
+    object.__setattr__(task, "batch_size", positive_int(task.batch_size, "batch_size"))
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPTask(Task):
+    """MLP on a bundled scikit-learn data set: softmax cross-entropy for the classification sets,
+    ``1/2`` mean squared error for ``diabetes`` (standardised target). ``hidden_sizes=()`` is a
+    linear (logistic or least-squares) model."""
+
+    dataset: str = "iris"
+    hidden_sizes: tuple[int, ...] = (32,)
+    activation: str = "relu"
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check_network(self)
+
+    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        features, _, outputs = dataset_arrays(self.dataset)
+        return _mlp_init(key, (features.shape[1], *self.hidden_sizes, outputs))
+
+    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        return _dataset_batch(self.dataset, key, self.batch_size)
+
+    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
+        out = _mlp_apply(params, batch["x"], self.activation)
+        if DATASETS[self.dataset] == "classification":
+            return _cross_entropy(out, batch["y"])
+        return 0.5 * jnp.mean(jnp.square(out[:, 0] - batch["y"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoencoderTask(Task):
+    """MLP autoencoder ``x -> hidden_sizes -> x`` on a data set's standardised features, ``1/2`` mean
+    squared reconstruction error (the middle entry of ``hidden_sizes`` is the bottleneck)."""
+
+    dataset: str = "digits"
+    hidden_sizes: tuple[int, ...] = (32, 8, 32)
+    activation: str = "tanh"
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        _check_network(self)
+
+    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        dim = dataset_arrays(self.dataset)[0].shape[1]
+        return _mlp_init(key, (dim, *self.hidden_sizes, dim))
+
+    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        return _dataset_batch(self.dataset, key, self.batch_size)
+
+    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
+        return 0.5 * jnp.mean(jnp.square(_mlp_apply(params, batch["x"], self.activation) - batch["x"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRegressionTask(Task):
+    """Least squares ``1/2 mean((x w - y)^2)`` on fresh Gaussian minibatches whose input scales are
+    log-uniform over ``[1/sqrt(condition), 1]`` (so the Hessian's condition number is about
+    ``condition``), ``y = x w* + noise``; ``w*`` and the scales are sampled per instance."""
+
+    dim: int = 16
+    condition: float = 100.0
+    batch_size: int = 32
+    noise_std: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dim", positive_int(self.dim, "dim"))
+        object.__setattr__(self, "batch_size", positive_int(self.batch_size, "batch_size"))
+        _check_quadratic_constants(self)
+
+    def sample_task_params(self, key: jax.Array) -> PyTree:
+        scale_key, weight_key = jax.random.split(key)
+        log_scales = jax.random.uniform(scale_key, (self.dim,), minval=-0.5 * math.log(self.condition), maxval=0.0)
+        target = jax.random.normal(weight_key, (self.dim,)) / math.sqrt(self.dim)
+        return {"scales": jnp.exp(log_scales), "target": target}
+
+    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        return {"w": jnp.zeros((self.dim,), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+
+    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        x_key, noise_key = jax.random.split(key)
+        x = jax.random.normal(x_key, (self.batch_size, self.dim)) * task_params["scales"]
+        y = x @ task_params["target"] * math.sqrt(self.dim) + self.noise_std * jax.random.normal(
+            noise_key, (self.batch_size,))
+        return {"x": x, "y": y}
+
+    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
+        return 0.5 * jnp.mean(jnp.square(batch["x"] @ params["w"] + params["b"] - batch["y"]))
+
+
+# --------------------------------------------------------------------------- families of them
+def _names(values: Any, name: str, check: Any) -> tuple:
+    if isinstance(values, str) or not isinstance(values, (tuple, list)) or not values:
+        raise ValueError(f"{name} must be a non-empty tuple, got {values!r}")
+    for i, value in enumerate(values):
+        check(value, f"{name}[{i}]")
+    return tuple(values)
+
+
+class _EnumeratedFamily(TaskFamily):
+    """A family that samples uniformly from its finite ``tasks()``."""
+
+    def sample(self, rng: np.random.Generator) -> Task:
+        tasks = self.tasks()
+        return tasks[int(rng.integers(len(tasks)))]
+
+
+@dataclasses.dataclass(frozen=True)
+class MLPFamily(_EnumeratedFamily):
+    """MLPs on bundled scikit-learn data sets with sampled data set, depth (0 = linear model), width,
+    activation and batch size (one width for all hidden layers)."""
+
+    datasets: tuple[str, ...] = ("digits", "iris", "wine")
+    widths: tuple[int, ...] = (16, 64)
+    depths: tuple[int, ...] = (0, 1, 2)
+    activations: tuple[str, ...] = ("relu", "tanh")
+    batch_sizes: tuple[int, ...] = (32, 128)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "datasets", _names(self.datasets, "datasets", lambda v, n: _check_dataset(v)))
+        object.__setattr__(self, "widths", positive_ints(self.widths, "widths"))
+        depths = _names(self.depths, "depths", lambda v, n: integer(v, n, 0))
+        object.__setattr__(self, "depths", tuple(int(d) for d in depths))
+        object.__setattr__(self, "activations", _names(self.activations, "activations", _check_activation))
+        object.__setattr__(self, "batch_sizes", positive_ints(self.batch_sizes, "batch_sizes"))
+
+    def tasks(self) -> tuple[Task, ...]:
+        tasks = {MLPTask(d, (w,) * depth, a if depth else "relu", b)
+                 for d in self.datasets for w in self.widths for depth in self.depths
+                 for a in self.activations for b in self.batch_sizes}
+        return tuple(sorted(tasks, key=repr))  # a linear model appears once, whatever width/activation
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoencoderFamily(_EnumeratedFamily):
+    """Autoencoders ``(width, bottleneck, width)`` on bundled data sets."""
+
+    datasets: tuple[str, ...] = ("digits",)
+    widths: tuple[int, ...] = (32,)
+    bottlenecks: tuple[int, ...] = (4, 8)
+    activations: tuple[str, ...] = ("tanh", "relu")
+    batch_sizes: tuple[int, ...] = (64,)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "datasets", _names(self.datasets, "datasets", lambda v, n: _check_dataset(v)))
+        object.__setattr__(self, "widths", positive_ints(self.widths, "widths"))
+        object.__setattr__(self, "bottlenecks", positive_ints(self.bottlenecks, "bottlenecks"))
+        object.__setattr__(self, "activations", _names(self.activations, "activations", _check_activation))
+        object.__setattr__(self, "batch_sizes", positive_ints(self.batch_sizes, "batch_sizes"))
+
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(AutoencoderTask(d, (w, k, w), a, b) for d in self.datasets for w in self.widths
+                     for k in self.bottlenecks for a in self.activations for b in self.batch_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRegressionFamily(_EnumeratedFamily):
+    """Least-squares problems (:class:`LinearRegressionTask`) of sampled dimension, conditioning and
+    batch size."""
+
+    dims: tuple[int, ...] = (8, 32)
+    conditions: tuple[float, ...] = (1.0, 10.0, 100.0)
+    batch_sizes: tuple[int, ...] = (16, 64)
+    noise_std: float = 0.1
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dims", positive_ints(self.dims, "dims"))
+        object.__setattr__(self, "conditions", _names(self.conditions, "conditions",
+                                                      lambda v, n: finite_float(v, n, minimum=1.0)))
+        object.__setattr__(self, "batch_sizes", positive_ints(self.batch_sizes, "batch_sizes"))
+        object.__setattr__(self, "noise_std", finite_float(self.noise_std, "noise_std", minimum=0.0))
+
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(LinearRegressionTask(d, float(c), b, self.noise_std)
+                     for d in self.dims for c in self.conditions for b in self.batch_sizes)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvFamily(_EnumeratedFamily):
+    """Digits convnets (:class:`DigitsConvTask`) of sampled channel widths and batch size."""
+
+    channels: tuple[tuple[int, int], ...] = ((4, 8), (8, 16))
+    batch_sizes: tuple[int, ...] = (32, 128)
+
+    def __post_init__(self) -> None:
+        tasks = _names(self.channels, "channels", lambda v, n: DigitsConvTask(v))  # checks each pair
+        object.__setattr__(self, "channels", tuple(tuple(c) for c in tasks))
+        object.__setattr__(self, "batch_sizes", positive_ints(self.batch_sizes, "batch_sizes"))
+
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(DigitsConvTask(c, b) for c in self.channels for b in self.batch_sizes)
+
+
+class MixtureFamily(TaskFamily):
+    """Samples one of ``families`` (with probabilities ``weights``, uniform by default), then a task
+    structure from it: the meta-training distribution of several kinds of problems."""
+
+    def __init__(self, families: Any, weights: Any = None) -> None:
+        if isinstance(families, TaskFamily) or not isinstance(families, (tuple, list)) or not families:
+            raise ValueError(f"families must be a non-empty tuple of TaskFamily, got {families!r}")
+        self.families = tuple(as_task_family(f, f"families[{i}]") for i, f in enumerate(families))
+        weights = np.ones(len(families)) if weights is None else np.asarray(weights, np.float64)
+        if weights.shape != (len(families),) or not np.all(np.isfinite(weights)) or np.any(weights < 0) \
+                or weights.sum() <= 0:
+            raise ValueError(f"weights must be {len(families)} non-negative finite numbers with a positive sum, "
+                             f"got {weights!r}")
+        self.weights = tuple(float(w) for w in weights / weights.sum())
+
+    def __repr__(self) -> str:
+        return f"MixtureFamily({list(self.families)!r}, weights={list(self.weights)!r})"
+
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(dict.fromkeys(t for f in self.families for t in f.tasks()))
+
+    def sample(self, rng: np.random.Generator) -> Task:
+        return self.families[int(rng.choice(len(self.families), p=self.weights))].sample(rng)
+
+
+# --------------------------------------------------------------- what the shipped optimizer saw
+def meta_training_family() -> MixtureFamily:
+    """The meta-training distribution of the shipped optimizer (``train_pretrained``): MLPs and
+    linear models on digits, iris and wine (depth 0-2, width 16/64, relu/tanh, batch 32/128) and
+    least squares of condition 1-100. Autoencoders, convnets, the breast-cancer and diabetes data
+    sets, depth 3, gelu/elu, batch 16 and condition 1000 are left out: :func:`held_out_problems`."""
+    return MixtureFamily([MLPFamily(("digits", "iris", "wine"), (16, 64), (0, 1, 2), ("relu", "tanh"), (32, 128)),
+                          LinearRegressionFamily((8, 32), (1.0, 10.0, 100.0), (16, 64))], weights=[3.0, 1.0])
+
+
+def held_out_problems() -> dict[str, Task]:
+    """Problems from families :func:`meta_training_family` never samples (fixed before the shipped
+    optimizer was evaluated on them): the "out of distribution" set of ``train_pretrained``."""
+    return {
+        "breast-cancer MLP 32 relu": MLPTask("breast_cancer", (32,), "relu", 64),
+        "diabetes regression MLP 32-32 tanh": MLPTask("diabetes", (32, 32), "tanh", 64),
+        "wine MLP 64x3 gelu, batch 32": MLPTask("wine", (64, 64, 64), "gelu", 32),
+        "digits MLP 128 elu, batch 16": MLPTask("digits", (128,), "elu", 16),
+        "digits autoencoder 32-8-32 tanh": AutoencoderTask("digits", (32, 8, 32), "tanh", 64),
+        "breast-cancer autoencoder 16-4-16 relu": AutoencoderTask("breast_cancer", (16, 4, 16), "relu", 32),
+        "digits convnet 8-16": DigitsConvTask((8, 16), 64),
+        "least squares dim 64, condition 1000": LinearRegressionTask(64, 1000.0, 32),
+    }
