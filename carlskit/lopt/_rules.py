@@ -239,7 +239,129 @@ class LearnableAdamRule(UpdateRule):
         return updates, {"mu": mu, "nu": nu, "step": step}
 
 
-RULE_KINDS: dict[str, type] = {MLPUpdateRule.kind: MLPUpdateRule, LearnableAdamRule.kind: LearnableAdamRule}
+_LOG_FLOOR = 1e-12
+
+
+def _log_rms(x: jax.Array) -> jax.Array:
+    return 0.5 * jnp.log(jnp.mean(jnp.square(x)) + _LOG_FLOOR)
+
+
+@dataclasses.dataclass(frozen=True)
+class HierarchicalRule(UpdateRule):
+    """A learned optimizer in two levels (after Metz et al. 2020/2022's hierarchical optimizers),
+    cheap enough to replace Adam: a small MLP per *tensor* decides how every entry of it moves.
+
+    Per entry (elementwise, a few FLOPs and one state buffer per decay, as Adam):
+    ``m_k = b_k m_k + (1 - b_k) g`` for ``b_k`` in ``decays``, ``v = b2 v + (1 - b2) g^2``, both bias
+    corrected, and the directions ``d = [g / (sqrt(v) + eps), m_k / (sqrt(v) + eps) ..., p / rms(p)]``.
+
+    Per tensor: features ``[time features tanh(t / s - 1), log rms of p, g, sqrt(v) and of each
+    direction, log size, is-a-vector]`` go through the MLP (one hidden layer, ``tanh``), which outputs
+    a log step size ``a`` and one coefficient ``c_j`` per direction. The update is
+
+        p <- p - initial_learning_rate * exp(a) * (d_{0.9} + sum_j c_j d_j)
+
+    The output layer starts at zero, so the untrained rule is exactly Adam (``b1`` = the decay
+    closest to 0.9, ``b2``, ``eps``) at ``initial_learning_rate``; meta-training learns schedules
+    (from the time features), step sizes relative to the parameters' and gradients' scale, momentum
+    mixes and weight decay. All tensors' features go through the MLP as one ``[tensors, features]``
+    matmul, so the per-entry cost stays Adam's plus one buffer per extra decay (see
+    ``benchmarks/lopt_step.py``).
+    """
+
+    hidden_size: int = 32
+    decays: tuple[float, ...] = (0.9, 0.99)
+    second_moment_decay: float = 0.999
+    epsilon: float = 1e-8
+    initial_learning_rate: float = 3e-3
+    kind: ClassVar[str] = "hierarchical"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "hidden_size", positive_ints((self.hidden_size,), "hidden_size")[0])
+        try:
+            decays = tuple(finite_float(d, "decays") for d in self.decays)
+        except TypeError:
+            decays = ()
+        if not decays or any(not 0.0 <= d < 1.0 for d in decays):
+            raise ValueError(f"decays must be a non-empty tuple of floats in [0, 1), got {self.decays!r}")
+        object.__setattr__(self, "decays", decays)
+        decay = finite_float(self.second_moment_decay, "second_moment_decay", minimum=0.0)
+        if decay >= 1.0:
+            raise ValueError(f"second_moment_decay must be in [0, 1), got {decay!r}")
+        object.__setattr__(self, "second_moment_decay", decay)
+        object.__setattr__(self, "epsilon", positive_float(self.epsilon, "epsilon"))
+        object.__setattr__(self, "initial_learning_rate",
+                           positive_float(self.initial_learning_rate, "initial_learning_rate"))
+
+    @property
+    def num_directions(self) -> int:
+        return len(self.decays) + 2  # g / sqrt(v), each momentum / sqrt(v), p / rms(p)
+
+    @property
+    def num_features(self) -> int:
+        return len(TIME_SCALES) + 3 + (self.num_directions - 1) + 2
+
+    @property
+    def _base_direction(self) -> int:
+        return 1 + min(range(len(self.decays)), key=lambda i: abs(self.decays[i] - 0.9))
+
+    def init_meta_params(self, key: jax.Array) -> PyTree:
+        """Random hidden layer, zero output layer: the untrained rule is Adam."""
+        return {"hidden": _dense_init(key, self.num_features, self.hidden_size),
+                "out": {"w": jnp.zeros((self.hidden_size, 1 + self.num_directions), jnp.float32),
+                        "b": jnp.zeros((1 + self.num_directions,), jnp.float32)}}
+
+    def init_state(self, params: PyTree) -> PyTree:
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), params)
+        momenta = jax.tree.map(lambda p: jnp.zeros((len(self.decays), *jnp.shape(p)), jnp.float32), params)
+        return {"momenta": momenta, "nu": zeros, "step": jnp.zeros((), jnp.int32)}
+
+    def update(self, meta_params: PyTree, state: PyTree, grads: PyTree, params: PyTree,
+               time_scale: float | jax.Array = 1.0) -> tuple[PyTree, PyTree]:
+        """One step for every leaf of ``params``; returns ``(updates, new_state)`` (optax convention)."""
+        check_update_arguments(self, state, grads, params, {"momenta": (len(self.decays),), "nu": ()})
+        step = state["step"] + 1
+        if not jax.tree.leaves(params):
+            return params, {**state, "step": step}
+        t = step.astype(jnp.float32)
+        decays = jnp.asarray(self.decays, jnp.float32)
+        b2 = self.second_moment_decay
+        treedef = jax.tree.structure(params)
+        flat_params = treedef.flatten_up_to(params)
+        new_momenta, new_nu, directions, features = [], [], [], []
+        for g, p, m, v in zip(treedef.flatten_up_to(grads), flat_params, treedef.flatten_up_to(state["momenta"]),
+                              treedef.flatten_up_to(state["nu"])):
+            g, p32 = jnp.asarray(g, jnp.float32), jnp.asarray(p, jnp.float32)
+            shape = (-1,) + (1,) * g.ndim
+            m = decays.reshape(shape) * m + (1.0 - decays.reshape(shape)) * g
+            v = b2 * v + (1.0 - b2) * jnp.square(g)
+            denominator = jnp.sqrt(v / (1.0 - b2 ** t)) + self.epsilon
+            m_hat = m / (1.0 - decays.reshape(shape) ** t)
+            d = [g / denominator, *(m_hat[k] / denominator for k in range(len(self.decays))),
+                 p32 * jax.lax.rsqrt(jnp.mean(jnp.square(p32)) + _LOG_FLOOR)]
+            features.append(jnp.stack([_log_rms(p32), _log_rms(g), _log_rms(denominator),
+                                       *(_log_rms(x) for x in d[:-1]), jnp.log(float(max(g.size, 1))),
+                                       jnp.asarray(float(g.ndim <= 1))]))
+            new_momenta.append(m)
+            new_nu.append(v)
+            directions.append(d)
+        time_features = tanh_time_features(t * time_scale)
+        per_tensor = jnp.stack(features)  # [tensors, 3 + directions - 1 + 2]
+        per_tensor = jnp.concatenate([jnp.broadcast_to(time_features, (per_tensor.shape[0], time_features.size)),
+                                      0.1 * per_tensor], axis=1)
+        hidden = jnp.tanh(per_tensor @ meta_params["hidden"]["w"] + meta_params["hidden"]["b"])
+        out = hidden @ meta_params["out"]["w"] + meta_params["out"]["b"]  # [tensors, 1 + directions]
+        step_sizes = self.initial_learning_rate * jnp.exp(out[:, 0])
+        updates = []
+        for i, (p, d) in enumerate(zip(flat_params, directions)):
+            direction = d[self._base_direction] + sum(out[i, 1 + j] * d[j] for j in range(len(d)))
+            updates.append((-step_sizes[i] * direction).astype(jnp.result_type(p)))
+        return treedef.unflatten(updates), {"momenta": treedef.unflatten(new_momenta),
+                                            "nu": treedef.unflatten(new_nu), "step": step}
+
+
+RULE_KINDS: dict[str, type] = {MLPUpdateRule.kind: MLPUpdateRule, LearnableAdamRule.kind: LearnableAdamRule,
+                               HierarchicalRule.kind: HierarchicalRule}
 
 
 def rule_to_config(rule: UpdateRule) -> dict[str, Any]:

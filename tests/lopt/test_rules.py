@@ -4,9 +4,10 @@ import numpy as np
 import optax
 import pytest
 
-from carlskit.lopt import LearnableAdam, LearnableAdamRule, LearnedOptimizer, MLPUpdateRule
+from carlskit.lopt import HierarchicalRule, LearnableAdam, LearnableAdamRule, LearnedOptimizer, MLPUpdateRule
 
 SMALL_RULE = MLPUpdateRule(hidden_sizes=(8,))
+RULES, RULE_IDS = [SMALL_RULE, LearnableAdamRule(), HierarchicalRule(hidden_size=8)], ["mlp", "adam", "hierarchical"]
 
 
 def _odd_params():
@@ -17,7 +18,7 @@ def _odd_params():
     }
 
 
-@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+@pytest.mark.parametrize("rule", RULES, ids=RULE_IDS)
 def test_updates_keep_shapes_and_dtypes_of_any_pytree(rule):
     params = _odd_params()
     grads = jax.tree.map(lambda p: jnp.ones_like(p) * 0.5, params)
@@ -87,6 +88,54 @@ def test_learnable_adam_matches_optax_adam():
         np.testing.assert_allclose(u1["w"], u2["w"], rtol=1e-5, atol=1e-9)
 
 
+def test_untrained_hierarchical_rule_is_optax_adam_and_its_meta_parameters_act():
+    """Peer check: with the zero output layer it ships untrained, HierarchicalRule is optax.adam at
+    ``initial_learning_rate`` on a multi-tensor tree; moving the output layer changes the step size
+    (``a``) and the direction mix (``c_j``) as documented."""
+    rule = HierarchicalRule(hidden_size=8, initial_learning_rate=3e-2)
+    params = {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.linspace(0.5, -0.5, 4)}
+
+    def run(tx, steps=6):
+        p, state = params, tx.init(params)
+        for i in range(steps):
+            grads = jax.tree.map(lambda x: jnp.sin(3.0 * x + i), p)
+            updates, state = tx.update(grads, state, p)
+            p = optax.apply_updates(p, updates)
+        return p
+
+    theta = rule.init_meta_params(jax.random.PRNGKey(0))
+    ours, reference = run(LearnedOptimizer(rule, theta).as_optax()), run(optax.adam(3e-2))
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    # log step size a = log 2 on every tensor: the first update is exactly twice Adam's
+    doubled = {**theta, "out": {**theta["out"], "b": theta["out"]["b"].at[0].set(jnp.log(2.0))}}
+    grads = jax.tree.map(lambda x: jnp.cos(x), params)
+    base, _ = rule.update(theta, rule.init_state(params), grads, params)
+    twice, _ = rule.update(doubled, rule.init_state(params), grads, params)
+    for a, b in zip(jax.tree.leaves(twice), jax.tree.leaves(base)):
+        np.testing.assert_allclose(a, 2.0 * b, rtol=1e-5)
+    # c on the parameter direction p / rms(p): a decoupled weight decay pulling every entry to 0
+    decay = {**theta, "out": {**theta["out"], "b": theta["out"]["b"].at[rule.num_directions].set(1.0)}}
+    zero_grads = jax.tree.map(jnp.zeros_like, params)
+    updates, _ = rule.update(decay, rule.init_state(params), zero_grads, params)
+    for u, p in zip(jax.tree.leaves(updates), jax.tree.leaves(params)):
+        assert np.all(np.asarray(u) * np.asarray(p) <= 0) and float(jnp.abs(u).max()) > 0
+
+
+def test_hierarchical_rule_round_trips_through_a_file_and_checks_its_fields(tmp_path):
+    rule = HierarchicalRule(hidden_size=4, decays=(0.5, 0.9), initial_learning_rate=1e-2)
+    optimizer = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(1)), train_horizon=50)
+    loaded = LearnedOptimizer.load(optimizer.save(None, tmp_path / "h"))
+    assert loaded.rule == rule and loaded.train_horizon == 50
+    for a, b in zip(jax.tree.leaves(loaded.meta_params), jax.tree.leaves(optimizer.meta_params)):
+        np.testing.assert_array_equal(a, b)
+    for kwargs, message in (({"hidden_size": 0}, "hidden_size"), ({"decays": (1.0,)}, "decays"),
+                            ({"second_moment_decay": 1.0}, "second_moment_decay"), ({"epsilon": 0.0}, "epsilon"),
+                            ({"initial_learning_rate": -1.0}, "initial_learning_rate")):
+        with pytest.raises(ValueError, match=message):
+            HierarchicalRule(**kwargs)
+
+
 def test_rule_validates_configuration():
     with pytest.raises(ValueError, match="hidden_sizes"):
         MLPUpdateRule(hidden_sizes=())
@@ -128,7 +177,7 @@ def test_mlp_rule_matches_per_entry_formula():
                                    rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+@pytest.mark.parametrize("rule", RULES, ids=RULE_IDS)
 def test_as_optax_refuses_integer_and_complex_params_naming_the_leaf(rule):
     tx = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0))).as_optax()
     good = {"w": jnp.ones((2, 3), jnp.float32)}
@@ -140,7 +189,7 @@ def test_as_optax_refuses_integer_and_complex_params_naming_the_leaf(rule):
             tx.update(params, tx.init(good), params)
 
 
-@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+@pytest.mark.parametrize("rule", RULES, ids=RULE_IDS)
 def test_update_compares_grads_params_and_state_leaf_by_leaf(rule):
     tx = LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0))).as_optax()
     update = jax.jit(tx.update)  # the checks run when tracing, so they hold under jit too
@@ -165,7 +214,7 @@ def test_update_compares_grads_params_and_state_leaf_by_leaf(rule):
                     params)
 
 
-@pytest.mark.parametrize("rule", [SMALL_RULE, LearnableAdamRule()], ids=["mlp", "adam"])
+@pytest.mark.parametrize("rule", RULES, ids=RULE_IDS)
 def test_empty_params_give_empty_updates_like_optax(rule):
     meta_params = rule.init_meta_params(jax.random.PRNGKey(0))
     tx = LearnedOptimizer(rule, meta_params).as_optax()
