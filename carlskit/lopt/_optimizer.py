@@ -358,6 +358,49 @@ def tuned_sgd_learning_rate(task: Task, num_steps: int = 200, num_tasks: int = 4
     return tuned_learning_rate(optax.sgd, task, learning_rates, num_steps, num_tasks, seed)
 
 
+def final_loss(curves: np.ndarray) -> float:
+    """The "final training loss" of curves ``[instances, steps]``: the mean over instances of the
+    last 10 steps' minibatch losses (``inf`` if any is not finite: a diverged run)."""
+    value = float(np.mean(np.asarray(curves)[..., -10:]))
+    return value if np.isfinite(value) else float("inf")
+
+
+def compare_to_tuned_adam(lopt: "LearnedOptimizer", problems: Mapping[str, Task], num_steps: int = 200,
+                          num_instances: int = 8, seed: int = 0, tune_instances: int = 4, tune_seed: int = 1000,
+                          learning_rates: Sequence[float] = ADAM_LEARNING_RATES,
+                          others: Mapping[str, "LearnedOptimizer"] | None = None) -> list[dict[str, Any]]:
+    """One row per problem: ``lopt``'s :func:`final_loss` after ``num_steps`` steps against Adam at
+    the learning rate :func:`tuned_adam` picked on other instances (``tune_seed``), both on the same
+    ``num_instances`` instances (``seed``): ``{"problem", "learned", "tuned_adam", "adam_learning_rate",
+    "ratio"}`` (``ratio`` = learned / tuned Adam; below 1 the learned optimizer wins), plus one
+    column per entry of ``others`` (e.g. the untrained optimizer), on the same instances."""
+    others = {} if others is None else others
+    for name, value in (("lopt", lopt), *((f"others[{k!r}]", v) for k, v in others.items())):
+        if not isinstance(value, LearnedOptimizer):
+            raise TypeError(f"{name} must be a LearnedOptimizer, got {type(value).__name__}")
+    if not isinstance(problems, Mapping) or not problems:
+        raise TypeError(f"problems must be a non-empty mapping name -> Task, got {type(problems).__name__}")
+    for name, task in problems.items():
+        if not isinstance(task, Task):
+            raise TypeError(f"problems[{name!r}] must be a Task, got {type(task).__name__}")
+    rows = []
+    for name, task in problems.items():
+        lr, _ = tuned_adam(task, num_steps, tune_instances, tune_seed, learning_rates)
+        adam = final_loss(optax_train_curves(optax.adam(lr), task, num_steps, num_instances, seed))
+        learned = final_loss(lopt.train_curves(task, num_steps, num_instances, seed))
+        rows.append({"problem": name, "learned": learned, "tuned_adam": adam, "adam_learning_rate": lr,
+                     "ratio": learned / adam if adam > 0 else float("nan"),
+                     **{key: final_loss(other.train_curves(task, num_steps, num_instances, seed))
+                        for key, other in others.items()}})
+    return rows
+
+
+def geometric_mean_ratio(rows: Sequence[Mapping[str, Any]]) -> float:
+    """Geometric mean of the rows' ``ratio`` (``inf`` when any run diverged)."""
+    ratios = np.asarray([row["ratio"] for row in rows], np.float64)
+    return float(np.exp(np.mean(np.log(ratios)))) if np.all(np.isfinite(ratios)) else float("inf")
+
+
 def optax_train_curves(transformation: optax.GradientTransformation, task: Task, num_steps: int = 200,
                        num_tasks: int = 8, seed: int = 0) -> np.ndarray:
     """Losses ``[num_tasks, num_steps]`` of training ``task`` instances with an optax optimizer
