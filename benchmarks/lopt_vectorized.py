@@ -12,7 +12,9 @@ printed with them. A second, secondary measurement repeats
 this on a 64-dim quadratic, where per-call overhead rather than arithmetic dominates. It also
 measures the most this machine allows (``speedup_ceiling_flops_32``, ``speedup_ceiling_roofline_32``:
 the loop's time over the vmapped step's FLOPs and bytes, from XLA's cost analysis, at this machine's
-best matmul and streaming rates; see ``ceiling``). Prints one JSON object last.
+best matmul and streaming rates; see ``ceiling``) and the share of it reached,
+``vectorized_over_ceiling_32`` (the vectorized speedup over the roofline ceiling). Prints one JSON
+object last.
 
     python benchmarks/lopt_vectorized.py [--small]
 """
@@ -195,6 +197,10 @@ def main() -> None:
         "vectorized_split_inner_steps_per_s": round(float(np.median(split_rates)), 1),
         f"vectorized_split_speedup_{num_tasks}": round(float(np.median(split_rates)) / loop_rate, 2),
         **digits_ceiling,
+        # The share of the ceiling reached: vectorized speedup / roofline ceiling (target >= 0.7). Both
+        # divide by the same loop time, so this is the roofline bound / the vmapped step's time.
+        f"vectorized_over_ceiling_{num_tasks}": round(
+            vector_rate / loop_rate / digits_ceiling[f"speedup_ceiling_roofline_{num_tasks}"], 2),
         f"quadratic64_vectorized_speedup_{num_tasks}": round(float(np.median(small_vector) / np.median(small_loop)), 2),
         "quadratic64_loop_inner_steps_per_s": round(float(np.median(small_loop)), 1),
         "quadratic64_vectorized_inner_steps_per_s": round(float(np.median(small_vector)), 1),
