@@ -327,20 +327,35 @@ def tuned_learning_rate(make_optimizer: Callable[[Any], optax.GradientTransforma
     if not callable(make_optimizer):
         raise TypeError(f"make_optimizer must be a callable lr -> optax.GradientTransformation, "
                         f"got {type(make_optimizer).__name__}")
+    rates = _learning_rates(learning_rates)
+    num_steps = positive_int(num_steps, "num_steps")
+    keys = jax.random.split(jax.random.PRNGKey(integer(seed, "seed", 0)), positive_int(num_tasks, "num_tasks"))
+    curves = _grid_curves(make_optimizer, task, rates, keys, num_steps)
+    return _best_rate(rates, curves), curves
+
+
+def _learning_rates(learning_rates: Sequence[float]) -> np.ndarray:
     rates = np.asarray(learning_rates, np.float64)
     if rates.ndim != 1 or rates.size == 0 or not np.all(np.isfinite(rates)) or np.any(rates <= 0):
         raise ValueError(f"learning_rates must be a non-empty sequence of positive finite numbers, "
                          f"got {learning_rates!r}")
-    num_steps = positive_int(num_steps, "num_steps")
-    keys = jax.random.split(jax.random.PRNGKey(integer(seed, "seed")), positive_int(num_tasks, "num_tasks"))
+    return rates
 
+
+def _grid_curves(make_optimizer: Callable[[Any], optax.GradientTransformation], task: Task, rates: np.ndarray,
+                 keys: jax.Array, num_steps: int) -> np.ndarray:
+    """Curves ``[lr, key, step]`` of ``make_optimizer(lr)`` for every rate and task key, one program."""
     def curves_for(lr):
         rule = _OptaxRule(make_optimizer(lr))
         return jax.vmap(lambda k: train_task(rule, task, {}, k, num_steps))(keys)
 
-    curves = np.asarray(jax.jit(jax.vmap(curves_for))(jnp.asarray(rates, jnp.float32)))
+    return np.asarray(jax.jit(jax.vmap(curves_for))(jnp.asarray(rates, jnp.float32)))
+
+
+def _best_rate(rates: np.ndarray, curves: np.ndarray) -> float:
+    """The rate whose curves ``[lr, key, step]`` end lowest (last 10 steps; diverged = +inf)."""
     finals = np.nan_to_num(curves[:, :, -10:].mean(axis=(1, 2)), nan=np.inf)
-    return float(rates[int(np.argmin(finals))]), curves
+    return float(rates[int(np.argmin(finals))])
 
 
 def tuned_adam(task: Task, num_steps: int = 200, num_tasks: int = 4, seed: int = 1000,
@@ -383,10 +398,19 @@ def compare_to_tuned_adam(lopt: "LearnedOptimizer", problems: Mapping[str, Task]
     for name, task in problems.items():
         if not isinstance(task, Task):
             raise TypeError(f"problems[{name!r}] must be a Task, got {type(task).__name__}")
+    rates, num_steps = _learning_rates(learning_rates), positive_int(num_steps, "num_steps")
+    tune_keys = jax.random.split(jax.random.PRNGKey(integer(tune_seed, "tune_seed", 0)),
+                                 positive_int(tune_instances, "tune_instances"))
+    eval_keys = jax.random.split(jax.random.PRNGKey(integer(seed, "seed", 0)),
+                                 positive_int(num_instances, "num_instances"))
     rows = []
     for name, task in problems.items():
-        lr, _ = tuned_adam(task, num_steps, tune_instances, tune_seed, learning_rates)
-        adam = final_loss(optax_train_curves(optax.adam(lr), task, num_steps, num_instances, seed))
+        # One program trains Adam at every rate on the tuning and the evaluation instances: the
+        # rate is picked on the first (as tuned_adam does), its curves on the second are the baseline
+        # (equal to optax_train_curves(optax.adam(lr), task, num_steps, num_instances, seed)).
+        curves = _grid_curves(optax.adam, task, rates, jnp.concatenate([tune_keys, eval_keys]), num_steps)
+        lr = _best_rate(rates, curves[:, :len(tune_keys)])
+        adam = final_loss(curves[int(np.flatnonzero(rates == lr)[0]), len(tune_keys):])
         learned = final_loss(lopt.train_curves(task, num_steps, num_instances, seed))
         rows.append({"problem": name, "learned": learned, "tuned_adam": adam, "adam_learning_rate": lr,
                      "ratio": learned / adam if adam > 0 else float("nan"),

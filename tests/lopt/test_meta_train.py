@@ -132,3 +132,35 @@ def test_tuned_adam_rejects_bad_arguments(kwargs, error, name):
 
     with pytest.raises(error, match=name):
         tuned_adam(QuadraticTask(dim=4), **kwargs)
+
+
+def test_compare_to_tuned_adam_matches_its_baseline_and_scores_adam_at_the_best_rate_as_one():
+    """The untrained HierarchicalRule is Adam at its initial_learning_rate: at the rate tuned Adam
+    picks its ratio is 1 (to float rounding); at a rate 30x smaller it loses (ratio > 1). The
+    baseline column equals tuned_adam + optax_train_curves on the same instances."""
+    from carlskit.lopt import (HierarchicalRule, compare_to_tuned_adam, final_loss, geometric_mean_ratio,
+                               optax_train_curves, tuned_adam)
+
+    task = QuadraticTask(4, 10.0, 0.1)
+    best, _ = tuned_adam(task, num_steps=20, num_tasks=4, seed=1000)
+    adam = final_loss(optax_train_curves(optax.adam(best), task, 20, 4, seed=0))
+
+    def adam_like(lr):
+        rule = HierarchicalRule(hidden_size=4, initial_learning_rate=lr)
+        return LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0)), train_horizon=20)
+
+    rows = compare_to_tuned_adam(adam_like(best), {"quadratic": task}, 20, 4, seed=0,
+                                 others={"slow": adam_like(best / 30)})
+    (row,) = rows
+    assert row["problem"] == "quadratic" and row["adam_learning_rate"] == best
+    np.testing.assert_allclose(row["tuned_adam"], adam, rtol=1e-5)
+    np.testing.assert_allclose(row["ratio"], 1.0, rtol=1e-4)
+    assert row["slow"] > 1.2 * row["tuned_adam"]
+    np.testing.assert_allclose(geometric_mean_ratio(rows + [{"ratio": 4.0}]), 2.0 * row["ratio"] ** 0.5, rtol=1e-6)
+    assert geometric_mean_ratio([{"ratio": float("inf")}]) == float("inf")
+    with pytest.raises(TypeError, match="lopt must be a LearnedOptimizer"):
+        compare_to_tuned_adam("adam", {"quadratic": task})
+    with pytest.raises(TypeError, match=r"problems\['q'\] must be a Task"):
+        compare_to_tuned_adam(adam_like(best), {"q": 3})
+    with pytest.raises(TypeError, match=r"others\['x'\] must be a LearnedOptimizer"):
+        compare_to_tuned_adam(adam_like(best), {"q": task}, others={"x": None})
