@@ -115,12 +115,15 @@ def test_self_training_runs_on_the_cluster_and_its_outer_loss_falls(tmp_path):
     task, start = QuadraticTask(4, 10.0, 0.1), LearnableAdam(initial_learning_rate=0.05)
     training = MetaTraining(start, task, None, directory=tmp_path, num_workers=1, num_tasks=8, num_steps=10,
                             std=0.01, outer_optimizer="self", max_staleness=0, max_gradients_per_update=1, seed=0,
-                            evaluate=False, summaries=False).start()
+                            checkpoint_every_seconds=1e-9, evaluate=False, summaries=False).start()
     try:
         training.wait(20, timeout=300)
     finally:
         training.stop(evaluate_final=False)
-    trained = training.learned_optimizer()
+    # Checkpoint 20 exactly (a checkpoint every step; one gradient per update, none stale): the
+    # deterministic sequence meta_train takes. Unclipped self-training of LearnableAdam can blow up
+    # a few steps later on some seeds (notebook 07 clips its outer updates), so later steps are not read.
+    trained = training.learned_optimizer(20)
     before = start.train_curves(task, 10, num_tasks=32, seed=99).mean()
     after = trained.train_curves(task, 10, num_tasks=32, seed=99).mean()
     assert after < 0.8 * before, (before, after)
