@@ -49,7 +49,7 @@ def _loss_and_grads(task: Task, seed: int = 0):
     task_params = task.sample_task_params(key) if hasattr(task, "sample_task_params") else {}
     params = task.init(jax.random.fold_in(key, 1), task_params)
     batch = task.batch(jax.random.fold_in(key, 2), task_params)
-    loss, grads = jax.value_and_grad(task.loss)(params, batch, task_params)
+    loss, grads = jax.jit(jax.value_and_grad(task.loss))(params, batch, task_params)  # one compile, not op by op
     return float(loss), params, grads
 
 
