@@ -14,6 +14,7 @@ Prints one JSON object last.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -33,7 +34,7 @@ def mlp_params(sizes: tuple[int, ...]) -> dict:
 
 
 def stepper(tx: optax.GradientTransformation):
-    @jax.jit
+    @functools.partial(jax.jit, static_argnums=3)
     def steps(params, state, grads, count):
         def body(carry, _):
             params, state = carry

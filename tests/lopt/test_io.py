@@ -243,6 +243,27 @@ def test_pretrained_ships_and_works_with_no_meta_training():
     assert float(loss(params)) < float(start)
 
 
+def test_pretrained_carries_its_command_compute_and_held_out_table():
+    """The shipped file says how it was made (train_pretrained on the MetaTraining cluster) and what it
+    scored on the held-out problems; notebook 06 re-runs part of that table live."""
+    from carlskit.lopt import HierarchicalRule, geometric_mean_ratio, held_out_problems
+
+    optimizer = LearnedOptimizer.pretrained()
+    info = optimizer.info
+    assert isinstance(optimizer.rule, HierarchicalRule)
+    assert info["command"].startswith("python -m carlskit.lopt.train_pretrained")
+    assert info["compute"]["outer_steps"] > 1000 and info["compute"]["wall_seconds"] > 0
+    assert info["compute"]["cpu_hours"] > 0 and info["compute"]["gradients_applied"] > 0
+    rows = info["comparison"]
+    assert [row["problem"] for row in rows] == list(held_out_problems()) and len(rows) >= 6
+    for row in rows:
+        assert row["learned"] is not None and row["tuned_adam"] is not None  # null = diverged
+        assert abs(row["ratio"] - row["learned"] / row["tuned_adam"]) < 1e-9
+    assert abs(geometric_mean_ratio(rows) - info["geomean_vs_tuned_adam"]) < 1e-9
+    assert geometric_mean_ratio(rows) <= 0.9
+    assert str(info["checkpoint"]) in info["evaluation"]
+
+
 def test_pretrained_is_one_file():
     import importlib.resources
     package = importlib.resources.files("carlskit.lopt")
