@@ -138,8 +138,14 @@ def test_compare_to_tuned_adam_matches_its_baseline_and_scores_adam_at_the_best_
     """The untrained HierarchicalRule is Adam at its initial_learning_rate: at the rate tuned Adam
     picks its ratio is 1 (to float rounding); at a rate 30x smaller it loses (ratio > 1). The
     baseline column equals tuned_adam + optax_train_curves on the same instances."""
-    from carlskit.lopt import (HierarchicalRule, compare_to_tuned_adam, final_loss, geometric_mean_ratio,
-                               optax_train_curves, tuned_adam)
+    from carlskit.lopt import (
+        HierarchicalRule,
+        compare_to_tuned_adam,
+        final_loss,
+        geometric_mean_ratio,
+        optax_train_curves,
+        tuned_adam,
+    )
 
     task = QuadraticTask(4, 10.0, 0.1)
     best, _ = tuned_adam(task, num_steps=20, num_tasks=4, seed=1000)
