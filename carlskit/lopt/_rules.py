@@ -42,6 +42,17 @@ def second_moment_normalize(features: jax.Array, epsilon: float = 1e-5, feature_
     return features * jax.lax.rsqrt(jnp.mean(jnp.square(features), axis=axes, keepdims=True) + epsilon)
 
 
+def _decays(values: Any) -> tuple[float, ...]:
+    """Momentum decays: a non-empty tuple of floats in ``[0, 1)``; ValueError naming ``decays``."""
+    try:
+        decays = tuple(finite_float(d, "decays") for d in values)
+    except TypeError:
+        decays = ()
+    if not decays or any(not 0.0 <= d < 1.0 for d in decays):
+        raise ValueError(f"decays must be a non-empty tuple of floats in [0, 1), got {values!r}")
+    return decays
+
+
 def _dense_init(key: jax.Array, fan_in: int, fan_out: int, scale: float = 1.0) -> dict[str, jax.Array]:
     weight = jax.random.normal(key, (fan_in, fan_out), jnp.float32) * (scale / math.sqrt(fan_in))
     return {"w": weight, "b": jnp.zeros((fan_out,), jnp.float32)}
@@ -79,13 +90,7 @@ class MLPUpdateRule(UpdateRule):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_sizes", positive_ints(self.hidden_sizes, "hidden_sizes"))
-        try:
-            decays = tuple(finite_float(d, "decays") for d in self.decays)
-        except TypeError:
-            decays = ()
-        if not decays or any(not 0.0 <= d < 1.0 for d in decays):
-            raise ValueError(f"decays must be a non-empty tuple of floats in [0, 1), got {self.decays!r}")
-        object.__setattr__(self, "decays", decays)
+        object.__setattr__(self, "decays", _decays(self.decays))
         object.__setattr__(self, "step_mult", positive_float(self.step_mult, "step_mult"))
         object.__setattr__(self, "exp_mult", finite_float(self.exp_mult, "exp_mult"))
         object.__setattr__(self, "initial_learning_rate",
@@ -278,13 +283,7 @@ class HierarchicalRule(UpdateRule):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "hidden_size", positive_ints((self.hidden_size,), "hidden_size")[0])
-        try:
-            decays = tuple(finite_float(d, "decays") for d in self.decays)
-        except TypeError:
-            decays = ()
-        if not decays or any(not 0.0 <= d < 1.0 for d in decays):
-            raise ValueError(f"decays must be a non-empty tuple of floats in [0, 1), got {self.decays!r}")
-        object.__setattr__(self, "decays", decays)
+        object.__setattr__(self, "decays", _decays(self.decays))
         decay = finite_float(self.second_moment_decay, "second_moment_decay", minimum=0.0)
         if decay >= 1.0:
             raise ValueError(f"second_moment_decay must be in [0, 1), got {decay!r}")
