@@ -27,6 +27,7 @@ What it does:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import pathlib
 import sys
@@ -107,10 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                             checkpoint_every_seconds=args.checkpoint_seconds, eval_task_sets=eval_sets,
                             seed=args.seed)
     training.start()
-    try:
+    with contextlib.suppress(TimeoutError):  # the time budget ran out: not an error
         training.wait(args.outer_steps, timeout=args.minutes * 60.0)
-    except TimeoutError:
-        pass  # the time budget, not an error
     status = training.learner_status()
     training.stop(timeout=600.0)
     seconds = time.monotonic() - began
