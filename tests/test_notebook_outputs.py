@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,9 @@ def _as_if_run(text: str) -> str:
         cell["outputs"] = [{"output_type": "stream", "name": "stdout", "text": ["ran\n"]}]
         cell["metadata"]["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00Z"}
     notebook["metadata"]["widgets"] = {"application/vnd.jupyter.widget-state+json": {"state": {}}}
+    # what a plain save in JupyterLab adds: the kernel's own display name and language_info
+    notebook["metadata"]["kernelspec"]["display_name"] = "Python 3"
+    notebook["metadata"]["language_info"] = {"name": "python", "version": "3.11.7", "file_extension": ".py"}
     return json.dumps(notebook, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
 
 
@@ -42,9 +46,18 @@ def test_committed_notebooks_have_no_outputs_and_pass_the_filter_unchanged(path)
     assert _strip(text) == text, "not in Jupyter's layout: run it through tools/nbstrip.py once"
 
 
-def test_the_filter_removes_what_a_run_adds():
-    text = NOTEBOOKS[0].read_text(encoding="utf-8")
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_the_filter_removes_what_a_run_and_a_save_add(path):
+    text = path.read_text(encoding="utf-8")
     assert _as_if_run(text) != text and _strip(_as_if_run(text)) == text
+
+
+def test_every_committed_cell_has_an_id_so_jupyterlab_invents_none():
+    for path in NOTEBOOKS:
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        assert (notebook["nbformat"], notebook["nbformat_minor"]) >= (4, 5), path.name
+        ids = [cell.get("id") for cell in notebook["cells"]]
+        assert None not in ids and len(set(ids)) == len(ids), f"{path.name}: every cell needs its own id"
 
 
 def test_git_never_records_outputs_saved_by_other_editors(tmp_path):
@@ -86,10 +99,12 @@ def test_jupyterlab_saves_notebooks_without_outputs_and_keeps_a_copy_with_them(t
     from jupyter_server.services.contents.filemanager import FileContentsManager
     from traitlets.config import Config, PyFileConfigLoader
 
-    loader = PyFileConfigLoader("jupyter_server_config.py", path=str(ROOT / "tools"))
-    config = loader.load_config()
     assert "--config=$(CURDIR)/tools/jupyter_server_config.py" in (ROOT / "Makefile").read_text()
-    manager = FileContentsManager(root_dir=str(tmp_path), config=Config(config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the lab's log stays free of warnings about our hook
+        loader = PyFileConfigLoader("jupyter_server_config.py", path=str(ROOT / "tools"))
+        config = loader.load_config()
+        manager = FileContentsManager(root_dir=str(tmp_path), config=Config(config))
     committed = NOTEBOOKS[0].read_text(encoding="utf-8")
     run = nbformat.reads(_as_if_run(committed), as_version=4)
     manager.save({"type": "notebook", "format": "json", "content": run}, "00.ipynb")

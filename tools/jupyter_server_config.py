@@ -10,6 +10,7 @@ filter (``.gitattributes``) covers notebooks saved by other tools.
 import copy
 import os
 import sys
+import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -32,5 +33,9 @@ def save_without_outputs(model, path, contents_manager, **kwargs):
     strip(model["content"])
 
 
+# jupyter_server validates a configured pre_save_hook once per class section it loads and warns, on the
+# second pass, that the hook "overrides" itself; only that self-override is silenced, any other still warns.
+warnings.filterwarnings("ignore", message=r"Overriding existing pre_save_hook \(save_without_outputs\) "
+                        r"with a new one \(save_without_outputs\)", category=UserWarning)
 c = get_config()  # noqa: F821 (provided by traitlets when it loads this file)
 c.ContentsManager.pre_save_hook = save_without_outputs

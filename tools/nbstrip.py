@@ -6,7 +6,10 @@ in your working copy (JupyterLab shows them), while git compares and commits the
 Reads a notebook on stdin, writes it on stdout with every code cell's outputs and execution count
 cleared and run-specific metadata (execution timings, widget state) dropped, in the layout Jupyter
 itself writes (sorted keys, one-space indent, trailing newline), so a committed notebook passes
-through unchanged. Standard library only: git runs it with any Python 3.
+through unchanged. What a plain save in JupyterLab adds to an unchanged notebook is normalised too:
+the kernel's display name (``Python 3`` or ``Python 3 (ipykernel)``: one name), the kernel's
+``language_info`` block (the interpreter's version: it differs per machine) and a cell id for a cell
+that has none (JupyterLab invents a random one). Standard library only: git runs it with any Python 3.
 """
 
 from __future__ import annotations
@@ -15,19 +18,32 @@ import json
 import sys
 
 _VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled")
-_VOLATILE_NOTEBOOK_METADATA = ("widgets",)
+_VOLATILE_NOTEBOOK_METADATA = ("widgets", "language_info")
+# The kernelspec every committed notebook names (what ipykernel's kernel.json says, so saving keeps it).
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
 def strip(notebook: dict) -> dict:
-    for cell in notebook.get("cells", []):
+    taken = {cell["id"] for cell in notebook.get("cells", []) if "id" in cell}
+    for number, cell in enumerate(notebook.get("cells", [])):
+        if "id" not in cell and (notebook.get("nbformat"), notebook.get("nbformat_minor", 0)) >= (4, 5):
+            # deterministic (the same notebook always gets the same id) and unique within the notebook
+            suffix = number
+            while f"cell-{suffix}" in taken:
+                suffix += len(notebook["cells"])
+            cell["id"] = f"cell-{suffix}"
+            taken.add(cell["id"])
         if cell.get("cell_type") == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
         metadata = cell.get("metadata", {})
         for key in _VOLATILE_CELL_METADATA:
             metadata.pop(key, None)
+    metadata = notebook.get("metadata", {})
     for key in _VOLATILE_NOTEBOOK_METADATA:
-        notebook.get("metadata", {}).pop(key, None)
+        metadata.pop(key, None)
+    if metadata.get("kernelspec", {}).get("name") == KERNELSPEC["name"]:
+        metadata["kernelspec"] = dict(KERNELSPEC)
     return notebook
 
 
