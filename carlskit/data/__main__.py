@@ -89,9 +89,15 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.names:
             print(fetch_planetoid(name, args.dir, base_url=args.base_url or PLANETOID_URL,
                                   allow_unpinned=args.unpinned, progress=not args.quiet))
-    except UnpinnedDatasetError as error:
-        parser.error(str(error))  # a usage error: status 2
-    except (OSError, CorruptFileError, ValueError) as error:  # network, disk, checksum, refused pickle
+    except UnpinnedDatasetError as error:  # a usage error (status 2), said in the shell's words
+        parser.error(f"{error.name}: no SHA-256 sums are pinned in carlskit for this data set yet, so its "
+                     f"download cannot be verified; rerun with --unpinned to accept it unverified")
+    except OSError as error:  # network or disk: the offline route is one command away
+        hint = ("; without network access, copy the original ind.NAME.* files here and run "
+                "`python -m carlskit.data convert planetoid NAME --raw DIR`") if args.command == "fetch" else ""
+        print(f"python -m carlskit.data: error: {error}{hint}", file=sys.stderr)
+        return 1
+    except (CorruptFileError, ValueError) as error:  # checksum, refused pickle
         print(f"python -m carlskit.data: error: {error}", file=sys.stderr)
         return 1
     return 0

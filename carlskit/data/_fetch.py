@@ -57,6 +57,11 @@ PLANETOID_SHA256: dict[str, dict[str, str] | None] = {
 class UnpinnedDatasetError(ValueError):
     """The data set has no pinned sums and ``allow_unpinned`` was not given."""
 
+    def __init__(self, name: str):
+        self.name = name
+        super().__init__(f"{name}: no SHA-256 sums are pinned in carlskit for this data set yet, so its download "
+                         f"cannot be verified; pass allow_unpinned=True to accept it unverified")
+
 
 def _sha256_file(path: Path) -> str:
     digest = hashlib.sha256()
@@ -117,9 +122,7 @@ def fetch_planetoid(name: str, directory: str | os.PathLike | None = None, *, ba
         raise ValueError(f"name: unknown Planetoid data set {name!r}; known: {', '.join(PLANETOID_SHA256)}")
     sums = PLANETOID_SHA256[name]
     if sums is None and not allow_unpinned:
-        raise UnpinnedDatasetError(
-            f"{name}: no SHA-256 sums are pinned in carlskit for this data set yet, so its download cannot be "
-            f"verified; rerun with --unpinned (allow_unpinned=True) to accept it unverified")
+        raise UnpinnedDatasetError(name)
     directory = Path(directory) if directory is not None else data_dir() / "planetoid"
     seen = {}
     for suffix in PLANETOID_SUFFIXES:

@@ -84,7 +84,7 @@ def test_a_data_set_without_pinned_sums_needs_unpinned_and_prints_the_sums_it_sa
     assert PLANETOID_SHA256["pubmed"] is None
     for path in root.glob("ind.citeseer.*"):  # any graph in the format will do: citeseer served as pubmed
         shutil.copy(path, root / path.name.replace("citeseer", "pubmed"))
-    with pytest.raises(UnpinnedDatasetError, match="--unpinned"):
+    with pytest.raises(UnpinnedDatasetError, match="allow_unpinned=True"):
         fetch_planetoid("pubmed", tmp_path / "out", base_url=server.url)
     assert server.requests == []
     output = fetch_planetoid("pubmed", tmp_path / "out", base_url=server.url, allow_unpinned=True)
@@ -106,6 +106,9 @@ def test_the_command_line_exits_0_1_and_2(served, tmp_path, capsys):
         with pytest.raises(SystemExit) as exit:
             main(argv)
         assert exit.value.code == 2, argv
+        if "pubmed" in argv:  # a shell user is told the flag, not the Python keyword
+            error = capsys.readouterr().err
+            assert "--unpinned" in error and "allow_unpinned" not in error, error
 
 
 def test_an_unreachable_server_is_one_line_with_status_1(tmp_path, capsys):
@@ -113,6 +116,7 @@ def test_an_unreachable_server_is_one_line_with_status_1(tmp_path, capsys):
                  "--quiet"]) == 1
     error = capsys.readouterr().err
     assert error.count("\n") == 1 and "Traceback" not in error and "http://127.0.0.1:9/ind.cora.x" in error
+    assert "python -m carlskit.data convert planetoid NAME --raw DIR" in error, "the offline route is named"
 
 
 def test_refetching_into_the_checkout_leaves_the_shipped_files_byte_for_byte(served, tmp_path):
