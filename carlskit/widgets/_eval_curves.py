@@ -89,10 +89,16 @@ class EvalCurves(WidgetDisplay):
     Args:
       data: see :func:`curves_frame` (a DataFrame or ``{checkpoint: {task_set: {split: curve}}}``).
       checkpoint: the checkpoint shown first; default the last one.
+      x_label, y_label: the axes' labels (the learned-optimizer evaluation's are the defaults: inner
+        training steps and the task's loss); give what your curves' steps and values are.
     """
 
     def __init__(self, data: Any = None, *, checkpoint: Any = None, width_inches: float = 8.0,
-                 panel_height_inches: float = 2.6):
+                 panel_height_inches: float = 2.6, x_label: str = "inner step", y_label: str = "loss"):
+        for name, label in (("x_label", x_label), ("y_label", y_label)):
+            if not isinstance(label, str):
+                raise TypeError(f"{name} must be a str, got {type(label).__name__}")
+        self.x_label, self.y_label = x_label, y_label
         self.frame = curves_frame({} if data is None else data)
         self.width_inches, self.panel_height_inches = width_inches, panel_height_inches
         self._lock = threading.Lock()
@@ -190,7 +196,8 @@ class EvalCurves(WidgetDisplay):
                     axes.plot(curve["step"], curve["value"], label=str(split),
                               color=SPLIT_COLORS.get(str(split)))
                 axes.set_title(f"{task_set} @ {checkpoint}", fontsize=10)
-                axes.set_xlabel("inner step", fontsize=8)
+                axes.set_xlabel(self.x_label, fontsize=8)
+                axes.set_ylabel(self.y_label, fontsize=8)
                 axes.tick_params(labelsize=8)
                 axes.grid(True, alpha=0.3)
                 axes.legend(fontsize=8)

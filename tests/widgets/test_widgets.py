@@ -248,3 +248,12 @@ def test_core_packages_load_no_ui_library():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
+
+
+def test_eval_curves_axis_labels_are_the_callers():
+    default = EvalCurves(CURVES)
+    labelled = EvalCurves(CURVES, x_label="gradient step", y_label="accuracy")
+    assert (default.x_label, default.y_label) == ("inner step", "loss")
+    assert labelled.png.startswith(PNG_MAGIC) and labelled.png != default.png, "the labels are drawn"
+    with pytest.raises(TypeError, match="x_label"):
+        EvalCurves(CURVES, x_label=3)
