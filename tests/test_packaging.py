@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PYPI_TO_CONDA = {
     "dask[distributed]": ["dask", "distributed"],
     "tensorboardx": ["tensorboardx"],
+    "build": ["python-build"],
 }
 
 

@@ -7,6 +7,7 @@ which is also their key in the knowledge bank.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,6 +113,19 @@ def _repository_data() -> Path | None:
     return None
 
 
+def _package_data() -> Path | None:
+    """The data sets shipped inside an installed wheel (``carlskit._shipped_data``: the checkout's
+    ``data/``, converted files only), or ``None`` when this install has none."""
+    try:
+        spec = importlib.util.find_spec("carlskit._shipped_data")
+    except ModuleNotFoundError:
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return folder if (folder / "planetoid").is_dir() else None
+
+
 def _user_data() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(cache) / "carlskit" / "data"
@@ -119,13 +133,17 @@ def _user_data() -> Path:
 
 def data_dirs() -> list[Path]:
     """The folders searched for data sets, first match wins: ``$CARLSKIT_DATA``, the checkout's
-    ``data/`` (Cora and Citeseer ship there), then the per-user ``~/.cache/carlskit/data``
-    (``$XDG_CACHE_HOME``), where a wheel install fetches to."""
+    ``data/`` (Cora and Citeseer ship there), the per-user ``~/.cache/carlskit/data``
+    (``$XDG_CACHE_HOME``), where a wheel install fetches to, and last the data shipped inside an
+    installed wheel (read-only: nothing is ever written there)."""
     folders = [Path(os.environ["CARLSKIT_DATA"])] if os.environ.get("CARLSKIT_DATA") else []
     repository = _repository_data()
     if repository is not None:
         folders.append(repository)
     folders.append(_user_data())
+    shipped = _package_data()
+    if shipped is not None and shipped not in folders:
+        folders.append(shipped)
     return folders
 
 
