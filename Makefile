@@ -2,6 +2,7 @@
 #   make lab   - create .venv, install carlskit with the lab extras only, open the tutorials in JupyterLab
 #   make test  - create or update .venv, install the lab and dev (test) extras, run every test and notebook
 #   make check - the quick subset (no slow tests, chaos tests or notebooks) for a development loop
+#   make docs  - the documentation site in docs/_build/html (API reference, tutorials with outputs, guide)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -13,7 +14,7 @@ LAB_PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test check venv clean browser notebook-filter
+.PHONY: lab test check docs venv clean browser notebook-filter
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -44,8 +45,15 @@ lab: $(LAB_STAMP) notebook-filter
 		--config=$(CURDIR)/tools/jupyter_server_config.py
 
 # CARLSKIT_SMALL=1 shrinks the notebooks' problem sizes so the whole suite fits in CI's budget.
+# The notebooks run first: each one's executed copy (notebooks/executed/) is what the docs test renders.
 test: $(TEST_STAMP) notebook-filter
-	CARLSKIT_SMALL=1 $(BIN)/python -m pytest tests --nbmake notebooks --nbmake-timeout=300 -p no:cacheprovider -rfE --durations=15
+	CARLSKIT_SMALL=1 $(BIN)/python -m pytest --nbmake notebooks tests --nbmake-timeout=300 -p no:cacheprovider -rfE --durations=15
+
+# Sphinx with warnings as errors (docs/conf.py says what is generated); the tutorials are rendered from
+# notebooks/executed/ (what make test or JupyterLab last ran), never re-run here.
+docs: $(TEST_STAMP)
+	$(BIN)/python -m sphinx -W --keep-going -b html docs docs/_build/html
+	@echo "open docs/_build/html/index.html"
 
 # The quick loop for development: every test not marked slow, no chaos tests, no notebooks (~5 min).
 check: $(TEST_STAMP) notebook-filter

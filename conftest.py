@@ -2,6 +2,10 @@
 
 Notebook kernels started by nbmake inherit ``$IPYTHONDIR``: point it at a fresh folder whose startup
 file installs ``tests/notebook_tables.py``'s check on every table a notebook displays.
+
+Every notebook nbmake runs is also kept with its outputs in ``notebooks/executed/`` (git-ignored, the
+folder where ``make lab`` keeps the last run), written atomically: the documentation site
+(``make docs``) renders the tutorials from those copies instead of running them a second time.
 """
 
 from __future__ import annotations
@@ -24,3 +28,30 @@ atexit.register(shutil.rmtree, _IPYTHON, ignore_errors=True)
     f"sys.path.remove({str(_TESTS)!r})\n"
 )
 os.environ["IPYTHONDIR"] = str(_IPYTHON)
+
+
+def _keep_executed_copies() -> None:
+    try:
+        import nbformat
+        from nbmake import nb_run
+    except ImportError:  # nbmake is a dev extra: without it there is nothing to keep
+        return
+    if getattr(nb_run.NotebookRun.execute, "keeps_executed_copy", False):
+        return
+    run_notebook = nb_run.NotebookRun.execute
+
+    def execute(self):
+        result = run_notebook(self)
+        source = Path(self.filename)
+        target = source.parent / "executed" / source.name
+        target.parent.mkdir(exist_ok=True)
+        temporary = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+        nbformat.write(result.nb, str(temporary))
+        os.replace(temporary, target)
+        return result
+
+    execute.keeps_executed_copy = True
+    nb_run.NotebookRun.execute = execute
+
+
+_keep_executed_copies()

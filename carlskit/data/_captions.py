@@ -34,6 +34,7 @@ STROKE_WORDS = ("thin", "bold")
 BACKGROUND_WORDS = ("plain", "grey")
 MARK_WORDS = ("unmarked", "left-mark", "right-mark", "two-marks")
 _SLOTS = (DIGIT_WORDS, COLUMN_WORDS, ROW_WORDS, INTENSITY_WORDS, STROKE_WORDS, BACKGROUND_WORDS, MARK_WORDS)
+#: Every word a caption of :func:`load_captioned_digits` can use, in a fixed order (the token ids).
 VOCABULARY: tuple[str, ...] = tuple(word for slot in _SLOTS for word in slot)
 _INTENSITIES = np.array([0.4, 0.6, 0.8, 1.0], np.float32)
 

@@ -27,6 +27,8 @@ from carlskit.data._planetoid import PLANETOID_SUFFIXES, raw_file, read_planetoi
 
 PLANETOID_URL = "https://github.com/kimiyoung/planetoid/raw/master/data"
 
+#: The pinned SHA-256 sum of every raw Planetoid file, per data set (``None``: not pinned yet, so a
+#: fetch needs ``allow_unpinned``).
 PLANETOID_SHA256: dict[str, dict[str, str] | None] = {
     "cora": {
         "x": "23cfa55d91c6f624233f5eb7b6e3f141f1bd2b2ae39608a63cf5d084bb27baab",

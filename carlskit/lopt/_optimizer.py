@@ -311,6 +311,7 @@ class LearnableAdam(LearnedOptimizer):
                          train_horizon, info)
 
 
+#: The learning rates tried when tuning the Adam baseline per problem (the best one is compared).
 ADAM_LEARNING_RATES = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
 
 

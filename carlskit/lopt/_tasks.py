@@ -255,6 +255,8 @@ def as_task_family(task_family: TaskFamily | Task, name: str = "task_family") ->
 # ------------------------------------------------------------------- scikit-learn data sets
 # Bundled with scikit-learn (nothing downloads). Features are standardised per column; regression
 # targets too, so every loss starts near 1 and the outer losses of different families are comparable.
+#: The scikit-learn data sets the built-in task families train on, each with its kind
+#: (``classification`` or ``regression``).
 DATASETS: dict[str, str] = {"digits": "classification", "iris": "classification", "wine": "classification",
                             "breast_cancer": "classification", "diabetes": "regression"}
 

@@ -48,7 +48,9 @@ def toy_multilingual_corpus(
     return tokens.astype(np.int32), language.astype(np.int32)
 
 
+#: The byte-level vocabulary: the 256 byte values and one padding id.
 BYTE_VOCAB_SIZE = 257  # the 256 byte values and one padding id
+#: The padding token id (ignored by the loss).
 PAD_ID = 256
 
 

@@ -441,6 +441,9 @@ def top2_gating(
     over the real tokens (praxis only with ``legacy_mtf_behavior=False``); and a zero-gate second
     choice takes no slot (praxis reserves one and dispatches nothing into it).
 
+    ``paddings``, ``importance``, ``second_expert_threshold``, ``gating_logit_cap``,
+    ``renormalize_after_drops``, ``fprop_dtype`` and ``mask_dtype`` are described above.
+
     Args:
       logits: [G, S, E] router logits (any float dtype; upcast to float32).
       capacity: C, slots per expert and group (see :func:`expert_capacity`).
@@ -450,8 +453,6 @@ def top2_gating(
       second_choice_uniform: optional precomputed u ~ U(0, 1): [G, S] for "random", [G, S, E] for
         "sampling" (lets sharded callers draw it once for the global batch, so results do not
         depend on the mesh).
-      paddings, importance, second_expert_threshold, gating_logit_cap, renormalize_after_drops,
-        fprop_dtype, mask_dtype: see above.
 
     Returns:
       :class:`Routing`; unpacks as ``(combine_weights [G,S,E,C], dispatch_mask [G,S,E,C],

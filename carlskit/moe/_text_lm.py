@@ -19,6 +19,8 @@ from carlskit.moe._model import MoEModel
 # is too short for the MoE models to pull ahead reliably. "full" is the benchmark's size: 1000 steps,
 # past the steep part of the learning curve (at 300 steps every model still fell 0.15-0.25 bpb per 50
 # steps and the seeds' spread hid the gap; from step ~450 on the 8-expert model stays below dense).
+#: The problem sizes of the byte-level text language-model benchmark (``small`` for tests and
+#: notebooks, ``full`` for the benchmark): model widths, steps, batch and sequence lengths.
 TEXT_LM_SIZES: dict[str, dict[str, Any]] = {
     "small": dict(length=32, d_model=32, num_heads=2, ffn_dim=64, num_layers=2, batch_size=16, steps=90,
                   eval_every=30, validation_rows=64, learning_rate=5e-3),

@@ -394,6 +394,8 @@ def compare(data: Dataset, config: GAMConfig, *, seed: int = 0, client: Any = No
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The command line (``python -m carlskit.paradigms.gam --help``): one JSON line with the test
+    accuracy of the graph agreement model and its baselines."""
     args = parse_arguments("gam", argv)  # --data is already resolved to a file
     data = load_data(args.data, 0.05, args.seed)
     say(f"gam: {data}", args.quiet)

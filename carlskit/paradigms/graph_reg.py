@@ -97,6 +97,9 @@ DIGITS_CONFIG = GraphRegConfig(learned_graph=True, neighbors=5, dropout=0.2, hid
 
 
 def loss_fn(model: MLP, batch: dict, *, distance: str) -> tuple[jax.Array, dict]:
+    """Cross-entropy on the batch's labelled items plus, with neighbour knowledge, the graph term:
+    ``multiplier`` times the weighted ``distance`` between each item's embedding and its neighbours' bank
+    embeddings; returns the loss and its parts (``supervised``, ``graph``)."""
     logits = model(batch["features"])
     supervised = masked_cross_entropy(logits, batch["labels"], batch["labelled"])
     if "neighbor_embeddings" not in batch:
@@ -125,6 +128,7 @@ def batches(data: Dataset, features: np.ndarray, config: GraphRegConfig, seed: i
 
 
 def accuracy(model: MLP, features: np.ndarray, labels: np.ndarray, index: np.ndarray) -> float:
+    """The fraction of items ``index`` the model (dropout off) labels correctly."""
     predictions = np.asarray(jnp.argmax(model(jnp.asarray(features[index]), deterministic=True), axis=-1))
     return float(np.mean(predictions == labels[index]))
 
@@ -240,12 +244,15 @@ def compare(data: Dataset, config: GraphRegConfig, *, seed: int = 0, client: Any
 
 
 def load_data(name: str, label_fraction: float, seed: int) -> Dataset:
+    """``digits`` (scikit-learn's, ``label_fraction`` of it labelled) or a Planetoid graph by name or path."""
     if name == "digits":
         return load_digits(label_fraction, seed=seed)
     return load_planetoid(name)
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The command line (``python -m carlskit.paradigms.graph_reg --help``): trains the MLP with and
+    without graph regularization and prints one JSON line with both accuracies."""
     args = parse_arguments("graph_reg", argv)  # --data is already resolved to a file (or 'digits')
     data = load_data(args.data, args.label_fraction, args.seed)
     say(f"graph_reg: {data}", args.quiet)

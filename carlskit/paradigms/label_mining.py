@@ -91,6 +91,8 @@ def threshold_schedule(step: int, config: LabelMiningConfig) -> float:
 
 
 def loss_fn(model: MLP, batch: dict) -> tuple[jax.Array, dict]:
+    """Cross-entropy against the batch's current labels (the noisy ones, or the mined ones once the
+    label maker has replaced them); returns the loss and its parts."""
     logits = model(batch["features"])
     labels = batch["labels"]
     everyone = jnp.ones(labels.shape, bool)
@@ -119,6 +121,8 @@ def batches(data: Dataset, features: np.ndarray, noisy: np.ndarray, config: Labe
 
 
 def noisy_digits(config: LabelMiningConfig, seed: int) -> tuple[Dataset, np.ndarray, np.ndarray]:
+    """scikit-learn's digits with ``config.noise`` of the training labels replaced by another class:
+    the data set, the noisy labels and the mask of corrupted items."""
     data = load_digits(1.0, seed=seed)
     noisy, corrupted = corrupt_labels(data.labels, data.train_idx, config.noise, data.num_classes, seed)
     return data, noisy, corrupted
@@ -186,6 +190,8 @@ def compare(config: LabelMiningConfig, *, seed: int = 0, client: Any = None, num
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The command line (``python -m carlskit.paradigms.label_mining --help``): one JSON line with the
+    test accuracy trained on noisy labels and on mined labels."""
     args = parse_arguments("label_mining", argv)
     config = LabelMiningConfig()
     if args.steps:
