@@ -1,4 +1,4 @@
-"""Every Python snippet in the README runs as written.
+"""Every Python snippet in the README and the guide pages (docs/guide) runs as written.
 
 The snippets run in order in one fresh process and one namespace (as a reader pastes them into one
 notebook; later ones use `client` and `bank` from earlier ones), in a scratch directory; their
@@ -36,12 +36,12 @@ if __name__ == "__main__":  # carlskit.connect() starts Dask workers with spawn
     namespace = {"__name__": "__main__"}
     try:
         for block in json.loads(sys.argv[1]):
-            code = compile(block["source"], f"README.md line {block['line']}", "exec")
+            code = compile(block["source"], block["where"], "exec")
             if block["compile_only"]:
                 continue
             started = time.perf_counter()
             exec(code, namespace)
-            print(f"README.md line {block['line']}: ran in {time.perf_counter() - started:.1f} s", flush=True)
+            print(f"{block['where']}: ran in {time.perf_counter() - started:.1f} s", flush=True)
     finally:
         client = namespace.get("client")
         if client is not None:
@@ -49,18 +49,33 @@ if __name__ == "__main__":  # carlskit.connect() starts Dask workers with spawn
 '''
 
 
+def guide_files() -> list[Path]:
+    """The README, then the guide pages in the order of ``docs/guide/index.md``'s table of contents
+    (the order a reader follows them, and the order their snippets build on each other)."""
+    files = [ROOT / "README.md"]
+    index = ROOT / "docs" / "guide" / "index.md"
+    toctree = re.search(r"```\{toctree\}\n(.*?)```", index.read_text(encoding="utf-8"), flags=re.DOTALL)
+    if toctree:
+        files += [index.parent / f"{entry.strip()}.md" for entry in toctree.group(1).splitlines()
+                  if entry.strip() and not entry.startswith(":")]
+    return files
+
+
 def readme_blocks() -> list[dict]:
-    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
-    blocks, index = [], 0
-    while index < len(lines):
-        if lines[index].strip() == "```python":
-            start = index + 1
-            end = next(i for i in range(start, len(lines)) if lines[i].strip() == "```")
-            marker = COMPILE_ONLY.match(lines[index - 1]) if index else None
-            blocks.append({"line": start + 1, "source": "\n".join(lines[start:end]) + "\n",
-                           "compile_only": marker is not None, "reason": marker.group(1) if marker else None})
-            index = end
-        index += 1
+    blocks = []
+    for path in guide_files():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        index = 0
+        while index < len(lines):
+            if lines[index].strip() == "```python":
+                start = index + 1
+                end = next(i for i in range(start, len(lines)) if lines[i].strip() == "```")
+                marker = COMPILE_ONLY.match(lines[index - 1]) if index else None
+                blocks.append({"where": f"{path.relative_to(ROOT)} line {start + 1}",
+                               "source": "\n".join(lines[start:end]) + "\n",
+                               "compile_only": marker is not None, "reason": marker.group(1) if marker else None})
+                index = end
+            index += 1
     return blocks
 
 
