@@ -294,8 +294,14 @@ class LongRunningTasks:
             thread.start()
             self._running[key] = (thread, outcome)
         else:
-            self._running[key] = self.client.submit(
-                fn, *arguments, pure=False, **restriction, key=f"{self.name}-{key}-{uuid.uuid4().hex[:8]}")
+            import dask
+
+            # A piece's function and data travel inside its task on purpose (a scattered copy would die
+            # with its worker, and Dask could not rerun the piece elsewhere): a maker's features are often
+            # tens of MB, so Dask's warning about large graphs would fire on every start and restart.
+            with dask.config.set({"distributed.admin.large-graph-warning-threshold": "1GiB"}):
+                self._running[key] = self.client.submit(
+                    fn, *arguments, pure=False, **restriction, key=f"{self.name}-{key}-{uuid.uuid4().hex[:8]}")
 
     def _live_workers(self, refresh: bool = False) -> set[str]:
         """Addresses of the scheduler's workers, fetched at most once per poll."""

@@ -158,3 +158,33 @@ def test_worker_loss_is_recognised_by_type_including_a_cause_chain():
         assert is_worker_loss(outer)
     assert not is_worker_loss(RuntimeError("Worker holding Actor was lost")), "never by message text"
     assert not is_worker_loss(ValueError("bad")) and not is_worker_loss(None)
+
+
+def sums_its_data(flag, data):
+    while not flag.is_set():
+        time.sleep(0.01)
+    return float(data.sum())
+
+
+def test_a_piece_whose_data_travels_in_its_task_raises_no_large_graph_warning():
+    # A maker's features ride inside the slice's task on purpose (recomputable after a lost worker):
+    # Dask's "Sending large graph" warning (10 MB by default) would fire on every start in a notebook.
+    import warnings
+
+    import numpy as np
+    from distributed import Client, LocalCluster
+
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+        flag = stop_flag(client, "large-data")
+        tasks = LongRunningTasks(client, "large", poll_seconds=0.01)
+        data = np.ones(4_000_000, np.float32)  # 16 MB
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # any warning fails the test, Dask's among them
+            tasks.launch("a", sums_its_data, lambda: (flag, data))
+        try:
+            wait_until(lambda: tasks.status()["a"]["state"] == "running", seconds=30)
+        finally:
+            tasks.stop(flag, timeout=30)
+    with pytest.warns(UserWarning, match="Sending large graph"):  # the same submit without the setting warns
+        with LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, Client(cluster) as client:
+            client.submit(sums_its_data, None, data, pure=False).cancel()
