@@ -8,6 +8,8 @@ load ipywidgets, matplotlib or pandas for nothing.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from typing import Any
 
 
 def in_notebook() -> bool:
@@ -18,3 +20,30 @@ def in_notebook() -> bool:
         return False
     shell = ipython.get_ipython()
     return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def progress_bar(total: int, desc: str, disable: bool = False) -> tuple[Any, Callable[[], Any]]:
+    """A tqdm bar and a function that brings its saved output up to date.
+
+    In a notebook the bar is tqdm's widget, displayed with a display id: the returned function,
+    called from the main thread once the run ends, replaces the text fallback displayed beside it
+    (``0/300`` when it was shown) with the bar's last state, which is what a notebook saved without
+    widget state, or a documentation page, shows. Elsewhere it is tqdm's text bar on stderr and
+    the function does nothing.
+    """
+    if disable or not in_notebook():
+        from tqdm.auto import tqdm
+
+        return tqdm(total=total, desc=desc, disable=disable, leave=True), lambda: None
+    from tqdm.notebook import tqdm as notebook_tqdm
+
+    from carlskit.widgets._display import WIDGET_VIEW, FinalFrame
+
+    bar = notebook_tqdm(total=total, desc=desc, leave=True, display=False)
+
+    def bundle() -> dict[str, Any]:
+        return {WIDGET_VIEW: bar.container._repr_mimebundle_()[WIDGET_VIEW], "text/plain": str(bar)}
+
+    frame = FinalFrame()
+    frame.show(bundle())
+    return bar, lambda: frame.update(bundle)

@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from carlskit._checks import instance, positive_int
-from carlskit._notebook import in_notebook
+from carlskit._notebook import in_notebook, progress_bar
 from carlskit._step import make_train_step
 from carlskit.bank import ShardLostError
 from carlskit.cluster._placement import Placement
@@ -65,6 +65,7 @@ class FitHandle:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"training still running after {timeout:g} s, at step {self.trainer.step}")
+        self.trainer.show_final_frames()
         if self.error is not None:
             raise self.error
         return self.trainer.history
@@ -240,12 +241,10 @@ class Trainer:
         """
         steps, placement = self._check_fit(steps, client, workers, resources, restart_policy)
         plot = self._show_live(in_notebook() if live is None else live)
-        from tqdm.auto import tqdm
-
         # Created here, in the calling thread: a notebook shows it in the cell that called fit, not in
         # whichever cell runs when a background fit's thread starts.
-        bar = tqdm(total=steps, desc=progress if isinstance(progress, str) else "train", disable=not progress,
-                   leave=True)
+        bar, final_bar = progress_bar(steps, progress if isinstance(progress, str) else "train", not progress)
+        self._final_frames = [final_bar] + ([plot.show_final_frame] if plot is not None else [])
         stop = threading.Event()
         self._fitting = True
         if placement is None:
@@ -258,8 +257,15 @@ class Trainer:
                 run_steps()
             finally:
                 self._fitting = False
+                self.show_final_frames()
             return self.history
         return self._start_in_background(run_steps, stop)
+
+    def show_final_frames(self) -> None:
+        """In a notebook's main thread, after a fit: make the saved output of its progress bar and
+        live plot show their last state (``fit`` and ``FitHandle.wait`` call this)."""
+        for final_frame in getattr(self, "_final_frames", ()):
+            final_frame()
 
     def _check_fit(self, steps: Any, client: Any, workers: Any, resources: Any,
                    restart_policy: Any) -> tuple[int, Placement | None]:
@@ -298,7 +304,7 @@ class Trainer:
         from carlskit.widgets import LivePlot
 
         plot = LivePlot("Trainer")
-        display(plot.widget)  # from the calling thread; the training thread only sets values
+        display(plot)  # from the calling thread; the training thread only sets values
         return plot
 
     def _start_in_background(self, run_steps: Callable[[], None], stop: threading.Event) -> FitHandle:

@@ -134,8 +134,10 @@ class ClusterStatus(WidgetDisplay):
         self.start()
 
     def stop(self) -> None:
+        """Stop refreshing; the displayed output's static frame becomes the last refresh."""
         if self._updater is not None:
             self._updater.stop()
+        self.show_final_frame()
 
     def close(self) -> None:
         self.stop()

@@ -118,10 +118,39 @@ def _columns_of(rows: Sequence[dict[str, Any]]) -> list[str]:
     return columns
 
 
+class FinalFrame:
+    """A display that can be brought up to date once its live updates end.
+
+    A widget view alone is saved as nothing a reader can see (a notebook saved without widget
+    state, nbconvert, a documentation page): the same display bundle carries static fallbacks
+    (a PNG, HTML, text), rendered when it was displayed. :meth:`show` displays the bundle with a
+    display id; :meth:`update` replaces it with a fresh bundle, so the saved output shows the last
+    frame. Both only ever run in the kernel's main thread (``update`` does nothing elsewhere):
+    threads set widget values, never display.
+    """
+
+    def __init__(self):
+        self._handle: Any = None
+
+    def show(self, bundle: dict[str, Any]) -> None:
+        from IPython.display import display
+
+        self._handle = display(bundle, raw=True, display_id=True)
+
+    def update(self, bundle: Callable[[], dict[str, Any]]) -> bool:
+        """Replace the shown bundle with ``bundle()``; False (nothing done) if never shown or not in
+        the main thread."""
+        if self._handle is None or threading.current_thread() is not threading.main_thread():
+            return False
+        self._handle.update(bundle(), raw=True)
+        return True
+
+
 class WidgetDisplay:
     """Mixin: in a notebook show ``self.widget`` (an ipywidgets container), and give front ends
     without widget support (nbconvert, GitHub, a plain terminal) HTML and text fallbacks in the
-    same display bundle."""
+    same display bundle; :meth:`show_final_frame` (called by ``stop()``) brings those fallbacks
+    up to date, so a saved notebook shows the last frame, not the first."""
 
     widget: Any
 
@@ -131,13 +160,28 @@ class WidgetDisplay:
     def _repr_html_(self) -> str:  # pragma: no cover - every subclass overrides
         return html.escape(repr(self))
 
-    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, Any]:
-        self._on_display()
+    def _bundle(self) -> dict[str, Any]:
         bundle = {"text/plain": repr(self), "text/html": self._repr_html_()}
         view = self.widget._repr_mimebundle_().get(WIDGET_VIEW)
         if view is not None:
             bundle[WIDGET_VIEW] = view
         return bundle
+
+    def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, Any]:
+        self._on_display()
+        return self._bundle()
+
+    def _ipython_display_(self) -> None:
+        self._on_display()
+        if not hasattr(self, "_final_frame"):
+            self._final_frame = FinalFrame()
+        self._final_frame.show(self._bundle())
+
+    def show_final_frame(self) -> bool:
+        """Bring the displayed fallbacks (HTML, text) up to the current frame; main thread only.
+        Returns whether a display was updated."""
+        final_frame = getattr(self, "_final_frame", None)
+        return final_frame is not None and final_frame.update(self._bundle)
 
 
 class PeriodicThread:

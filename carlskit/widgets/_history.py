@@ -4,12 +4,13 @@ an ipywidgets Image re-rendered off-screen and set from any thread. For summarie
 
 from __future__ import annotations
 
+import base64
 import threading
 import time
 
 import numpy as np
 
-from carlskit.widgets._display import check_smoothing, placeholder_png, render_png, smooth
+from carlskit.widgets._display import WIDGET_VIEW, FinalFrame, check_smoothing, placeholder_png, render_png, smooth
 
 
 class LivePlot:
@@ -53,3 +54,22 @@ class LivePlot:
             ax.set_xlabel("step", fontsize=8)
             ax.tick_params(labelsize=7)
         figure.suptitle(self.title, fontsize=10)
+
+    def _bundle(self) -> dict:
+        """The widget view with a PNG of the current frame and a line of text beside it (what a
+        notebook saved without widget state, or a documentation page, shows)."""
+        bundle = {"image/png": base64.b64encode(bytes(self.widget.value)).decode("ascii"),
+                  "text/plain": f"LivePlot({self.title!r}, {self.renders} renders)"}
+        view = self.widget._repr_mimebundle_().get(WIDGET_VIEW)
+        if view is not None:
+            bundle[WIDGET_VIEW] = view
+        return bundle
+
+    def _ipython_display_(self) -> None:
+        self._final_frame = FinalFrame()
+        self._final_frame.show(self._bundle())
+
+    def show_final_frame(self) -> bool:
+        """Bring the displayed PNG up to the current frame (main thread only; see ``FinalFrame``)."""
+        final_frame = getattr(self, "_final_frame", None)
+        return final_frame is not None and final_frame.update(self._bundle)

@@ -213,7 +213,12 @@ class LiveSummaries(WidgetDisplay):
         return self
 
     def stop(self) -> None:
+        """Stop the background updates; from the notebook's main thread, also read the last points
+        and make the displayed output's static frame (what a saved notebook shows) the last one."""
         self._updater.stop()
+        if threading.current_thread() is threading.main_thread() and getattr(self, "_final_frame", None):
+            self.update()
+            self.show_final_frame()
 
     @property
     def running(self) -> bool:
