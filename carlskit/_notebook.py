@@ -34,12 +34,15 @@ def progress_bar(total: int, desc: str, disable: bool = False) -> tuple[Any, Cal
     if disable or not in_notebook():
         from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc=desc, disable=disable, leave=True), lambda: None
+        bar = tqdm(total=total, desc=desc, disable=disable, leave=True)
+        bar.set_postfix_str("compiling the step", refresh=False)
+        return bar, lambda: None
     from tqdm.notebook import tqdm as notebook_tqdm
 
     from carlskit.widgets._display import WIDGET_VIEW, FinalFrame
 
     bar = notebook_tqdm(total=total, desc=desc, leave=True, display=False)
+    bar.set_postfix_str("compiling the step", refresh=False)
 
     def bundle() -> dict[str, Any]:
         return {WIDGET_VIEW: bar.container._repr_mimebundle_()[WIDGET_VIEW], "text/plain": str(bar)}
@@ -47,3 +50,13 @@ def progress_bar(total: int, desc: str, disable: bool = False) -> tuple[Any, Cal
     frame = FinalFrame()
     frame.show(bundle())
     return bar, lambda: frame.update(bundle)
+
+
+def step_done(bar: Any, loss: float) -> None:
+    """Count one finished training step on ``bar`` with its loss. The first step's time (tracing and
+    compiling the step, often far longer than a step) is left out of the bar's clock, so its rate
+    and ETA are those of the steps to come, not of a compilation per step."""
+    if bar.n == 0:
+        bar.unpause()
+    bar.update(1)
+    bar.set_postfix(loss=f"{loss:.4f}", refresh=False)

@@ -28,6 +28,7 @@ from typing import Any
 
 import jax
 
+from carlskit._notebook import step_done
 from carlskit.cluster._loss import is_worker_loss
 from carlskit.cluster._placement import NoWorkerError, Placement, _is_accelerator
 from carlskit.cluster._supervised import Backoff, restart_policy
@@ -185,8 +186,7 @@ def _follow(trainer, client, future, candidates, queue, received, stop, remote_s
                 if record["step"] not in received:
                     trainer.history.append(record)
                     trainer._log(record)
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+                    step_done(bar, record["loss"])
                 received[record["step"]] = record
         if plot is not None:
             plot.update(trainer._series())

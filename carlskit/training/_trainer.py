@@ -21,7 +21,7 @@ import optax
 from flax import nnx
 
 from carlskit._checks import instance, positive_int
-from carlskit._notebook import in_notebook, progress_bar
+from carlskit._notebook import in_notebook, progress_bar, step_done
 from carlskit._step import make_train_step
 from carlskit.bank import ShardLostError
 from carlskit.cluster._placement import Placement
@@ -347,8 +347,7 @@ class Trainer:
                 record = self._step_on(batch)
                 self.history.append(record)
                 self._log(record)
-                bar.update(1)
-                bar.set_postfix(loss=f"{record['loss']:.4f}", refresh=False)
+                step_done(bar, record["loss"])
                 if self.step % self.checkpoint_every == 0:
                     self.sync()
                     self.save_checkpoint()

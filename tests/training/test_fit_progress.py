@@ -51,3 +51,20 @@ def test_a_background_fits_bar_is_created_in_the_calling_thread(monkeypatch):
     handle = Trainer(Linear(), optax.sgd(0.01), mse).fit(batch, 5, block=False, progress="background", live=False)
     handle.wait()
     assert created_in == [threading.current_thread()]
+
+
+def test_the_first_step_compiling_is_left_out_of_the_bars_rate(capsys):
+    import time
+
+    from carlskit._notebook import step_done
+
+    bar = tqdm.auto.tqdm(total=100, desc="eta", mininterval=0)
+    time.sleep(1.0)  # the first step: tracing and compiling
+    step_done(bar, 1.0)
+    for _ in range(9):
+        step_done(bar, 0.5)
+    elapsed = bar.format_dict["elapsed"]
+    bar.close()
+    assert elapsed < 0.5, f"the compilation counted in the rate: {elapsed:.2f} s elapsed for 10 fast steps"
+    Trainer(Linear(), optax.sgd(0.01), mse).fit(batch, 3, progress="first")
+    assert "first: 100%" in capsys.readouterr().err
