@@ -105,7 +105,14 @@ def _bag_of_words(labels: np.ndarray, num_classes: int, num_features: int, words
 
 
 def edge_homophily(data: Dataset) -> float:
-    """The fraction of ``data``'s edges whose two ends share a label (edges to unlabelled nodes skipped)."""
+    """The fraction of ``data``'s edges whose two ends share a label (edges to unlabelled nodes skipped).
+
+    Example: a generated graph has the homophily it was asked for::
+
+        >>> graph = synthetic_planetoid(num_nodes=600, homophily=0.9, num_val=100, num_test=200, seed=0)
+        >>> round(edge_homophily(graph), 1)
+        0.9
+    """
     if data.edges is None or not len(data.edges):
         raise ValueError("data must have edges")
     left, right = data.labels[data.edges[:, 0]], data.labels[data.edges[:, 1]]

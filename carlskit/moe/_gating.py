@@ -98,6 +98,15 @@ def expert_capacity(
 
     An explicit C can be given to the layers instead (``expert_capacity=`` on
     :class:`~carlskit.moe.MoEFeedForward` / :class:`~carlskit.moe.MoEModel`).
+
+    Example (1024 tokens per group over 8 experts: a balanced top-2 load is 256 per expert)::
+
+        >>> expert_capacity(1024, 8, 1.0)
+        256
+        >>> expert_capacity(1024, 8, 2.0, convention="praxis")  # praxis counts both choices
+        256
+        >>> expert_capacity(6, 4, 1.0)  # ceil(2 * 6 / 4)
+        3
     """
     group_size = positive_int(group_size, "group_size")
     num_experts = positive_int(num_experts, "num_experts")
