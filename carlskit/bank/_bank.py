@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from carlskit._checks import choice, integer, positive_float
+from carlskit._checks import INT64_MAX, INT64_MIN, choice, integer, positive_float, utf8
 from carlskit.bank import _snapshot as snapshots
 from carlskit.bank._config import EmbeddingTableConfig, FeatureTableConfig, TableConfig
 from carlskit.bank._hashing import key_from_string
@@ -68,9 +68,14 @@ def _as_keys(keys: Any, name: str = "keys") -> np.ndarray:
         items = keys.tolist() if isinstance(keys, np.ndarray) and keys.dtype.kind == "U" else (
             np.asarray(keys, dtype=object).tolist())
         wrong = next((item for item in items if not isinstance(item, str)), None)
+        if wrong is not None and all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            huge = next((item for item in items if not INT64_MIN <= item <= INT64_MAX), wrong)
+            raise ValueError(f"{name} must be int64 ids, got {huge!r} beyond [-2**63, 2**63 - 1]")
         if wrong is not None:
             raise TypeError(f"{name} must be all int64 ids or all strings, got "
                             f"{type(wrong).__name__} {wrong!r} among strings")
+        for item in items:
+            utf8(item, name)
         return key_from_string(items)
     if len(array) == 0 and array.dtype.kind not in "iu":
         array = array.astype(np.int64)
@@ -260,6 +265,7 @@ class KnowledgeBank:
             raise TypeError(f"name must be a non-empty str, got {type(name).__name__}")
         if not name:
             raise ValueError("name must be a non-empty str, got ''")
+        utf8(name, "name")
         if name in self._configs or name in self._all_configs():
             raise ValueError(f"table {name!r} already exists")
         per_shard = min(max(16, -(-capacity // self.num_shards)), PREALLOCATED_ROWS)

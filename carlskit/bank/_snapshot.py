@@ -49,6 +49,7 @@ import fsspec.implementations.memory
 import numpy as np
 
 from carlskit._checks import integer
+from carlskit._checks import path as check_path
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json
 from carlskit.bank._config import EmbeddingTableConfig, TableConfig
@@ -80,8 +81,8 @@ class Location:
     """A snapshot directory: a local path (made absolute, so workers resolve it the same way) or
     an fsspec URL."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike, name: str = "path") -> None:
+        path = os.fspath(check_path(path, name))
         self.fs, self.root = filesystem(path)
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.url = os.path.abspath(self.root) if self.local else path
@@ -420,7 +421,7 @@ class SnapshotSeries:
     newest ``keep`` kept; the write-ahead log, if any, lives in its ``wal`` subdirectory."""
 
     def __init__(self, directory: str | os.PathLike, keep: int) -> None:
-        self.location = Location(directory)
+        self.location = Location(directory, "directory")
         self.keep = keep
         self.location.fs.makedirs(self.location.root, exist_ok=True)
 
@@ -483,8 +484,12 @@ def save(shards: Any, configs: dict[str, TableConfig], location: Location,
     check_save_target(location)
     names = sorted(configs)
     save_id = new_save_id()
-    written = shards.call_parallel("write_snapshot_parts", {
-        i: (location.url, save_id, names, wal_directory) for i in range(len(shards))})
+    try:
+        written = shards.call_parallel("write_snapshot_parts", {
+            i: (location.url, save_id, names, wal_directory) for i in range(len(shards))})
+    except BaseException:
+        _remove_parts_of(location, save_id)  # the shards that did write: no stray part beside the old snapshot
+        raise
     tables = []
     for name in names:
         parts = [written[i]["parts"][name] for i in range(len(shards))]
@@ -497,6 +502,16 @@ def save(shards: Any, configs: dict[str, TableConfig], location: Location,
                                     [written[i]["wal_segment"] for i in range(len(shards))])}
     write_manifest(location, manifest)  # the commit point
     return manifest
+
+
+def _remove_parts_of(location: Location, save_id: str) -> None:
+    """Remove the part files of the (failed) save ``save_id``; the snapshot that was there stays."""
+    for name in location.names():
+        if _PART_NAME.match(name) and name.endswith(f"-{save_id}.part"):
+            try:
+                location.fs.rm(location.file(name))
+            except FileNotFoundError:
+                pass
 
 
 def _summed_counters(parts: list[dict]) -> dict[str, int]:

@@ -34,6 +34,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from carlskit._checks import path as check_path
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import (
     arrays_to_npz_bytes,
@@ -61,7 +62,7 @@ def meta_params_file(path: str | os.PathLike) -> pathlib.Path:
 
     The suffix is appended, never substituted, so ``"lopt.v1"`` and ``"lopt.v2"`` are different files.
     """
-    name = os.fspath(path)
+    name = os.fspath(check_path(path, "path"))
     if not isinstance(name, str):
         raise TypeError(f"path must be a str or os.PathLike naming a file, got {path!r}")
     return pathlib.Path(name if name.endswith(SUFFIX) else name + SUFFIX)
