@@ -372,17 +372,17 @@ class DistributedBankMachine(BankMachine):
     client = None
     check_write_times = False  # the shards' clocks are the workers' real clocks
     steps_between_kills = 10
+    since_kill = 0  # steps since the last kill, over all examples of a run
 
     def make_bank(self) -> KnowledgeBank:
         self.client.wait_for_workers(2, timeout=120)
         bank = KnowledgeBank(self.client, num_shards=2)
         bank.enable_snapshots(self.directory / "snapshots", keep=2, write_ahead_log=True)
-        self.since_kill = 0
         return bank
 
     def step(self) -> None:
         super().step()
-        self.since_kill += 1
+        type(self).since_kill += 1
 
     def teardown(self) -> None:
         try:
@@ -395,7 +395,7 @@ class DistributedBankMachine(BankMachine):
     @rule(shard=st.integers(0, 1), data=st.data())
     def kill_a_shard_worker_then_recover(self, shard, data):
         self.step()
-        self.since_kill = 0
+        type(self).since_kill = 0
         counts = type(self).counts
         self.client.wait_for_workers(2, timeout=120)
         worker = self.bank.shard_workers[shard]

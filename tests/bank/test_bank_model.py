@@ -45,16 +45,18 @@ def client():
 @pytest.mark.slow
 def test_distributed_bank_with_worker_kills_matches_the_model(client):
     DistributedBankMachine.client = client
-    if SOAK_STEPS:
-        DistributedBankMachine.steps_between_kills = int(os.environ.get("CARLSKIT_SOAK_STEPS_BETWEEN_KILLS", "100"))
-        examples = -(-SOAK_STEPS // STEPS_PER_EXAMPLE)
-        machine_settings = _settings(examples, STEPS_PER_EXAMPLE, derandomize=False)
-    else:
-        DistributedBankMachine.steps_between_kills = 12
-        machine_settings = _settings(3, 30, derandomize=True)
     counts = DistributedBankMachine.counts
     try:
-        run_state_machine_as_test(DistributedBankMachine, settings=machine_settings)
+        if SOAK_STEPS:  # independent runs of 20 examples (fresh seeds) until the steps are done
+            DistributedBankMachine.steps_between_kills = int(
+                os.environ.get("CARLSKIT_SOAK_STEPS_BETWEEN_KILLS", "100"))
+            while counts.steps < SOAK_STEPS:
+                run_state_machine_as_test(DistributedBankMachine,
+                                          settings=_settings(20, STEPS_PER_EXAMPLE, derandomize=False))
+                print("bank model run so far:", json.dumps(counts.as_dict()), flush=True)
+        else:
+            DistributedBankMachine.steps_between_kills = 12
+            run_state_machine_as_test(DistributedBankMachine, settings=_settings(3, 30, derandomize=True))
     finally:
         report = {"machine": "distributed", "divergences": 0, **counts.as_dict()}
         print("bank model run:", json.dumps(report))
