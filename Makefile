@@ -58,7 +58,7 @@ check: $(TEST_STAMP) notebook-filter
 CARLSKIT_SOAK_STEPS ?= 5000
 soak: $(TEST_STAMP)
 	CARLSKIT_SOAK_STEPS=$(CARLSKIT_SOAK_STEPS) $(BIN)/python -m pytest tests/bank/test_bank_model.py -k distributed \
-		-p no:cacheprovider -s -q
+		-p no:cacheprovider -s -q -o timeout=0
 
 # The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).
 # Without /usr/bin/chromium that one test is skipped locally; .ci/run installs it.
