@@ -54,7 +54,7 @@ check: $(TEST_STAMP) notebook-filter
 
 # The long model-based run (tests/bank/test_bank_model.py): CARLSKIT_SOAK_STEPS random steps (default 5000) on a
 # 2-shard distributed bank with snapshots + write-ahead log, a worker SIGKILLed every
-# CARLSKIT_SOAK_STEPS_BETWEEN_KILLS steps at the earliest (default 100); prints steps, kills, recoveries, seconds.
+# CARLSKIT_SOAK_STEPS_BETWEEN_KILLS steps of an example at the earliest (default 50); prints steps, kills, recoveries, seconds.
 CARLSKIT_SOAK_STEPS ?= 5000
 soak: $(TEST_STAMP)
 	CARLSKIT_SOAK_STEPS=$(CARLSKIT_SOAK_STEPS) $(BIN)/python -m pytest tests/bank/test_bank_model.py -k distributed \

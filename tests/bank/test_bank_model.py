@@ -5,7 +5,7 @@ checked after every step against the plain-Python model of ``bank_model.py``.
 
 ``make test`` runs a short, derandomized run of each (seconds); ``make soak`` the long one:
 ``CARLSKIT_SOAK_STEPS`` steps on the distributed bank (default 5000), a kill every
-``CARLSKIT_SOAK_STEPS_BETWEEN_KILLS`` steps at the earliest (default 100), figures printed as
+``CARLSKIT_SOAK_STEPS_BETWEEN_KILLS`` steps of an example at the earliest (default 50), figures printed as
 JSON (and written to ``CARLSKIT_SOAK_REPORT`` if set).
 """
 
@@ -22,7 +22,7 @@ from hypothesis.stateful import run_state_machine_as_test
 from process_helpers import checkout_cluster
 
 SOAK_STEPS = int(os.environ.get("CARLSKIT_SOAK_STEPS", "0"))
-STEPS_PER_EXAMPLE = 50
+STEPS_PER_EXAMPLE = 100
 
 
 def _settings(examples: int, steps: int, derandomize: bool) -> settings:
@@ -49,7 +49,7 @@ def test_distributed_bank_with_worker_kills_matches_the_model(client):
     try:
         if SOAK_STEPS:  # independent runs of 20 examples (fresh seeds) until the steps are done
             DistributedBankMachine.steps_between_kills = int(
-                os.environ.get("CARLSKIT_SOAK_STEPS_BETWEEN_KILLS", "100"))
+                os.environ.get("CARLSKIT_SOAK_STEPS_BETWEEN_KILLS", "50"))
             while counts.steps < SOAK_STEPS:
                 run_state_machine_as_test(DistributedBankMachine,
                                           settings=_settings(20, STEPS_PER_EXAMPLE, derandomize=False))
