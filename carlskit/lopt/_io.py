@@ -226,7 +226,11 @@ def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     file = meta_params_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such learned-optimizer file")
-    data = file.read_bytes()
+    return meta_params_from_bytes(file.read_bytes(), file)
+
+
+def meta_params_from_bytes(data: bytes, file: pathlib.Path) -> tuple[Any, dict[str, Any]]:
+    """:func:`load_meta_params` of the bytes ``data`` read from ``file`` (named in errors)."""
     if data[:len(ZIP_MAGIC)] != ZIP_MAGIC:
         raise _corrupt(file, "empty file" if not data else "not an .npz (zip) archive")
     sealed = is_sealed(data)
