@@ -378,6 +378,7 @@ class DistributedBankMachine(BankMachine):
     client = None
     check_write_times = False  # the shards' clocks are the workers' real clocks
     steps_between_kills = 10
+    durability = "process"  # of the write-ahead log
 
     def table_options(self, name: str) -> dict:
         # Real clocks: a ttl flush would depend on how long a kill took (the first soak found
@@ -398,7 +399,8 @@ class DistributedBankMachine(BankMachine):
     def make_bank(self) -> KnowledgeBank:
         self.two_live_workers()
         bank = KnowledgeBank(self.client, num_shards=2)
-        bank.enable_snapshots(self.directory / "snapshots", keep=2, write_ahead_log=True)
+        bank.enable_snapshots(self.directory / "snapshots", keep=2, write_ahead_log=True,
+                              durability=self.durability)
         self.since_kill = 0  # per example: a precondition must not depend on earlier examples
         return bank
 

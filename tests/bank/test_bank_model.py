@@ -6,7 +6,8 @@ checked after every step against the plain-Python model of ``bank_model.py``.
 ``make test`` runs a short, derandomized run of each (seconds); ``make soak`` the long one:
 ``CARLSKIT_SOAK_STEPS`` steps on the distributed bank (default 5000), a kill every
 ``CARLSKIT_SOAK_STEPS_BETWEEN_KILLS`` steps of an example at the earliest (default 50), figures printed as
-JSON (and written to ``CARLSKIT_SOAK_REPORT`` if set).
+JSON (and written to ``CARLSKIT_SOAK_REPORT`` if set); ``CARLSKIT_SOAK_DURABILITY`` the log's durability
+(default ``process``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def test_distributed_bank_with_worker_kills_matches_the_model(client):
         if SOAK_STEPS:  # independent runs of 20 examples (fresh seeds) until the steps are done
             DistributedBankMachine.steps_between_kills = int(
                 os.environ.get("CARLSKIT_SOAK_STEPS_BETWEEN_KILLS", "50"))
+            DistributedBankMachine.durability = os.environ.get("CARLSKIT_SOAK_DURABILITY", "process")
             while counts.steps < SOAK_STEPS:
                 run_state_machine_as_test(DistributedBankMachine,
                                           settings=_settings(20, STEPS_PER_EXAMPLE, derandomize=False))
@@ -58,7 +60,8 @@ def test_distributed_bank_with_worker_kills_matches_the_model(client):
             DistributedBankMachine.steps_between_kills = 12
             run_state_machine_as_test(DistributedBankMachine, settings=_settings(3, 30, derandomize=True))
     finally:
-        report = {"machine": "distributed", "divergences": 0, **counts.as_dict()}
+        report = {"machine": "distributed", "durability": DistributedBankMachine.durability, "divergences": 0,
+                  **counts.as_dict()}
         print("bank model run:", json.dumps(report))
         if os.environ.get("CARLSKIT_SOAK_REPORT"):
             with open(os.environ["CARLSKIT_SOAK_REPORT"], "a") as handle:
