@@ -3,6 +3,7 @@
 #   make test  - create or update .venv, install the lab and dev (test) extras, run every test and notebook
 #   make check - the quick subset (no slow tests, chaos tests or notebooks) for a development loop
 #   make docs  - the documentation site in docs/_build/html (API reference, tutorials with outputs, guide)
+#   make soak  - the long model-based run of the distributed bank with worker kills (CARLSKIT_SOAK_STEPS)
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,7 +15,7 @@ LAB_PORT ?= 8888
 # Jupyter refuses to run as root unless told; containers and CI machines often are root.
 LAB_ROOT_FLAG := $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-.PHONY: lab test check docs venv clean browser notebook-filter
+.PHONY: lab test check docs venv clean browser notebook-filter soak
 
 $(BIN)/python:
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "carlskit needs Python >= 3.11; run make PYTHON=python3.11 ...")'
@@ -58,6 +59,14 @@ docs: $(TEST_STAMP)
 # The quick loop for development: every test not marked slow, no chaos tests, no notebooks (~5 min).
 check: $(TEST_STAMP) notebook-filter
 	$(BIN)/python -m pytest tests -m "not slow" --ignore=tests/chaos -p no:cacheprovider -q -x
+
+# The long model-based run (tests/bank/test_bank_model.py): CARLSKIT_SOAK_STEPS random steps (default 5000) on a
+# 2-shard distributed bank with snapshots + write-ahead log, a worker SIGKILLed every
+# CARLSKIT_SOAK_STEPS_BETWEEN_KILLS steps of an example at the earliest (default 50); prints steps, kills, recoveries, seconds.
+CARLSKIT_SOAK_STEPS ?= 5000
+soak: $(TEST_STAMP)
+	CARLSKIT_SOAK_STEPS=$(CARLSKIT_SOAK_STEPS) $(BIN)/python -m pytest tests/bank/test_bank_model.py -k distributed \
+		-p no:cacheprovider -s -q -o timeout=0
 
 # The real-browser widget test drives Debian's Chromium through Playwright (it never downloads a browser).
 # Without /usr/bin/chromium that one test is skipped locally; .ci/run installs it.

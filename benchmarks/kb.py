@@ -13,7 +13,10 @@ to the same shards through Dask's actor RPC only (``dist_lookup_direct_over_dask
 ``dist_floor_rows_per_s`` (and ``_pipelined``) is the same traffic through Dask's actor RPC to an
 actor that does no work (2048 keys in, 2048 x 64 float32 out, per worker): the most the actor RPC
 allows here. ``dist_ping_all_shards_ms`` / ``dist_ping_dask_ms``: a no-work round trip to both
-shards on each path.
+shards on each path. ``dist_apply_gradients_wal_rows_per_s`` / ``_wal_machine_rows_per_s``: the
+blocking ``apply_gradients`` calls with the shards' write-ahead log on, ``durability="process"`` (no
+fsync) / ``"machine"`` (a group fdatasync before each acknowledgement); ``--part wal`` runs only
+those and the log-free baseline.
 """
 
 from __future__ import annotations
@@ -166,8 +169,13 @@ def seconds_for(submit, batches: list[np.ndarray], in_flight: int) -> float:
     return time.perf_counter() - start
 
 
-def distributed_mode(num_rows: int, calls: int) -> dict:
-    """2 shards on 2 worker processes, ``calls`` batches of ``BATCH`` random keys per variant."""
+WAL_VARIANTS = ("dist_apply_gradients_rows_per_s", "dist_apply_gradients_wal_rows_per_s",
+                "dist_apply_gradients_wal_machine_rows_per_s")
+
+
+def distributed_mode(num_rows: int, calls: int, only: tuple[str, ...] | None = None) -> dict:
+    """2 shards on 2 worker processes, ``calls`` batches of ``BATCH`` random keys per variant
+    (``only``: just these variants)."""
     from distributed import Client, LocalCluster
 
     results: dict = {}
@@ -216,16 +224,23 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
             # the same calls with the shards' write-ahead log on (see wal_on / wal_off below)
             "dist_apply_gradients_wal_rows_per_s": (
                 lambda b: kb.apply_gradients_async("emb", b, gradients), 1),
+            # ... and with durability="machine": acknowledged after a group fdatasync
+            "dist_apply_gradients_wal_machine_rows_per_s": (
+                lambda b: kb.apply_gradients_async("emb", b, gradients), 1),
         }
+        if only is not None:
+            variants = {name: variant for name, variant in variants.items() if name in only}
         wal_directory = tempfile.mkdtemp(prefix="carlskit-kb-bench-wal-")
-        kb.enable_snapshots(wal_directory, write_ahead_log=True, keep=1)
-        kb._shards.call_all("stop_write_ahead_log")
+        logged = {"dist_apply_gradients_wal_rows_per_s": "process",
+                  "dist_apply_gradients_wal_machine_rows_per_s": "machine"}
 
-        def wal_on():  # a snapshot starts a new log segment (the only way the log may start)
-            kb.snapshot()
+        def wal_on(durability):  # a snapshot starts a new log segment (the only way the log may start)
+            kb.enable_snapshots(wal_directory, write_ahead_log=True, durability=durability, keep=1)
 
         def wal_off():
             kb._shards.call_all("stop_write_ahead_log")
+        wal_on("process")
+        wal_off()
         for submit, in_flight in variants.values():  # warm-up
             seconds_for(submit, batches[:in_flight], in_flight)
         # The variants take turns on short slices of the batches, so that every variant sees the
@@ -235,10 +250,10 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         for first in range(0, len(batches), CYCLE_BATCHES):
             part = batches[first:first + CYCLE_BATCHES]
             for name, (submit, in_flight) in variants.items():
-                if name == "dist_apply_gradients_wal_rows_per_s":
-                    wal_on()
+                if name in logged:
+                    wal_on(logged[name])
                 measured[name].append(len(part) * BATCH / seconds_for(submit, part, in_flight))
-                if name == "dist_apply_gradients_wal_rows_per_s":
+                if name in logged:
                     wal_off()
             kb.flush("emb")
             loads.append(os.getloadavg()[0])
@@ -249,6 +264,15 @@ def distributed_mode(num_rows: int, calls: int) -> dict:
         results["dist_cycles"] = len(loads)
         results["dist_apply_gradients_wal_over_no_wal"] = (
             results["dist_apply_gradients_wal_rows_per_s"] / results["dist_apply_gradients_rows_per_s"])
+        results["dist_apply_gradients_wal_machine_over_no_wal"] = (
+            results["dist_apply_gradients_wal_machine_rows_per_s"] / results["dist_apply_gradients_rows_per_s"])
+        results["dist_apply_gradients_wal_machine_over_wal"] = (
+            results["dist_apply_gradients_wal_machine_rows_per_s"] / results["dist_apply_gradients_wal_rows_per_s"])
+        results["dist_load_average_1min"] = statistics.median(loads)
+        if only is not None:
+            kb.close()
+            shutil.rmtree(wal_directory, ignore_errors=True)
+            return results
         results["dist_lookup_vs_floor"] = (results["dist_lookup_rows_per_s"]
                                            / results["dist_floor_rows_per_s"])
         results["dist_in_flight"] = IN_FLIGHT
@@ -428,7 +452,7 @@ def snapshot_distributed(num_rows: int, directory: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--small", action="store_true", help="100k rows, fewer repeats")
-    parser.add_argument("--part", choices=["all", "inprocess", "distributed", "snapshot"],
+    parser.add_argument("--part", choices=["all", "inprocess", "distributed", "snapshot", "wal"],
                         default="all")
     parser.add_argument("--snapshot-rows", type=int, default=None,
                         help="rows of the snapshot benchmarks (default 4,000,000; 200,000 --small)")
@@ -454,6 +478,8 @@ def main() -> None:
                 results["dist_lookup_pipelined_rows_per_s"] >= 1e6,
             "dist_apply_gradients_rows_per_s>=5e5":
                 results["dist_apply_gradients_rows_per_s"] >= 5e5})
+    if args.part == "wal":
+        results.update(distributed_mode(num_rows, calls=50 if small else 150, only=WAL_VARIANTS))
     if args.part in ("all", "snapshot"):
         import tempfile
 

@@ -101,11 +101,48 @@ def instance(value: Any, name: str, types: type | tuple[type, ...], expected: st
 
 
 def path(value: Any, name: str) -> str | os.PathLike:
-    """``value`` if it is a path (``str`` or ``os.PathLike``); else TypeError naming ``name``."""
-    return instance(value, name, (str, os.PathLike), "a path (str or os.PathLike)")
+    """``value`` if it is a path (``str`` or ``os.PathLike``); else TypeError naming ``name``;
+    ValueError naming it when the file system cannot encode it (a lone surrogate such as
+    ``"\ud800"``; the surrogate-escaped bytes of ``os.listdir`` are fine)."""
+    instance(value, name, (str, os.PathLike), "a path (str or os.PathLike)")
+    text = os.fspath(value)
+    if isinstance(text, str):
+        try:
+            os.fsencode(text)
+        except UnicodeEncodeError as error:
+            raise ValueError(f"{name} must be a path the file system can encode, got {text!r} (an "
+                             f"unpaired surrogate at position {error.start})") from None
+    return value
 
 
 def _integer_scalar_array(value: Any) -> bool:
     """A 0-d array of an integer dtype (numpy or JAX), told by its dtype, not by importing either."""
     dtype = getattr(value, "dtype", None)
     return getattr(value, "shape", None) == () and getattr(dtype, "kind", None) in ("i", "u")
+
+
+def utf8(value: str, name: str) -> bytes:
+    """``value`` (a str) encoded as UTF-8; ValueError naming ``name`` when it cannot be (a lone
+    surrogate such as ``"\\ud800"``, which Python strings may hold and UTF-8 may not)."""
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{name} must be encodable as UTF-8, got {value!r} (an unpaired surrogate at "
+                         f"position {error.start})") from None
+
+
+def real_array(value: Any, name: str) -> Any:
+    """``value`` as a numpy array of a real or bool dtype; ValueError naming ``name`` for a ragged
+    nesting, TypeError for ``None``, strings, objects or complex numbers."""
+    import numpy as np  # here: the checks above stay importable without numpy
+
+    if value is None or isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} must be a real-valued array, got {type(value).__name__}")
+    try:
+        array = np.asarray(value)
+    except (ValueError, TypeError) as error:  # numpy: "inhomogeneous shape after 1 dimensions"
+        raise ValueError(f"{name} must be a real-valued array of one shape, got a ragged or unconvertible "
+                         f"{type(value).__name__} ({error})") from None
+    if array.dtype.kind not in "biuf":
+        raise TypeError(f"{name} must be a real-valued array, got dtype {array.dtype} (shape {array.shape})")
+    return array

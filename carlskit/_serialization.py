@@ -21,6 +21,7 @@ import hashlib
 import io
 import json
 import os
+import struct
 import threading
 import uuid
 import zipfile
@@ -96,6 +97,44 @@ def npz_bytes_to_arrays(data: bytes, path: str | os.PathLike = "<bytes>",
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+# A zip archive ends with its end-of-central-directory record (22 bytes, the last two the length of
+# the archive's comment) and then the comment. The seal is that comment: ``SEAL_PREFIX`` and the hex
+# SHA-256 of every byte before the digest (the zip entries, the central directory, the record with
+# its comment length, the prefix). zip's own CRC-32s cover only the members' data, so a flip in a
+# local header or the central directory can leave an archive that still reads; the seal cannot.
+SEAL_PREFIX = b"carlskit-sha256:"
+_SEAL_DIGEST_LENGTH = 64
+_EOCD = struct.Struct("<4s4H2LH")  # signature, disk numbers, entry counts, sizes, comment length
+_EOCD_SIGNATURE = b"PK\x05\x06"
+
+
+def seal_zip(data: bytes) -> bytes:
+    """``data`` (a zip archive with no comment, as :func:`arrays_to_npz_bytes` writes) sealed: its
+    comment set to ``SEAL_PREFIX`` + the SHA-256 of every byte before the digest. Still a valid
+    ``.npz`` for ``np.load`` and any zip tool."""
+    record = _EOCD.unpack(data[-_EOCD.size:])
+    if record[0] != _EOCD_SIGNATURE or record[-1] != 0:
+        raise ValueError("seal_zip needs a zip archive without a comment")
+    comment_length = len(SEAL_PREFIX) + _SEAL_DIGEST_LENGTH
+    body = data[:-2] + struct.pack("<H", comment_length) + SEAL_PREFIX
+    return body + sha256_hex(body).encode()
+
+
+def is_sealed(data: bytes) -> bool:
+    """Whether ``data`` ends like a :func:`seal_zip` archive (the seal is not checked: :func:`check_seal`)."""
+    return data[-_SEAL_DIGEST_LENGTH - len(SEAL_PREFIX):-_SEAL_DIGEST_LENGTH] == SEAL_PREFIX
+
+
+def check_seal(data: bytes, path: str | os.PathLike = "<bytes>") -> None:
+    """Raise :class:`CorruptFileError` naming ``path`` unless ``data`` is a :func:`seal_zip` archive
+    whose every byte matches its seal."""
+    if not is_sealed(data):
+        raise CorruptFileError(path, "no carlskit SHA-256 seal at the end of the archive")
+    body, digest = data[:-_SEAL_DIGEST_LENGTH], data[-_SEAL_DIGEST_LENGTH:]
+    if sha256_hex(body).encode() != digest:
+        raise CorruptFileError(path, "bytes do not match the SHA-256 seal at the end of the archive")
 
 
 def _canonical_json(obj: Any) -> bytes:

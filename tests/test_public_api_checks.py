@@ -58,6 +58,18 @@ class Api:
     def local_bank(self) -> bank.KnowledgeBank:
         return bank.KnowledgeBank()
 
+    @functools.cached_property
+    def filled_bank(self) -> bank.KnowledgeBank:
+        """A bank with rows, for the hostile inputs (issue 32): they must leave it unchanged."""
+        kb = bank.KnowledgeBank()
+        kb.create_table("h", 4)
+        kb.update("h", ["a", "b"], np.ones((2, 4)), version=1)
+        return kb
+
+    @functools.cached_property
+    def learnable_adam(self) -> lopt.LearnableAdam:
+        return lopt.LearnableAdam()
+
     def writer(self, **kwargs) -> summaries.SummaryWriter:
         return summaries.SummaryWriter(self.tmp / "writer", **kwargs)
 
@@ -66,8 +78,9 @@ class Api:
 def api(tmp_path_factory):
     api = Api(tmp_path_factory)
     yield api
-    if "local_bank" in vars(api):
-        api.local_bank.close()
+    for name in ("local_bank", "filled_bank"):
+        if name in vars(api):
+            getattr(api, name).close()
 
 
 def logits() -> jnp.ndarray:
@@ -278,6 +291,102 @@ CASES = {
     "DigitsMLPTask activation": (lambda api: lopt.DigitsMLPTask(activation="swish"), V, "activation"),
 }
 
+# Hostile inputs (issue 32): strings UTF-8 cannot encode (a lone surrogate), paths of the wrong type,
+# None, ragged and string arrays, complex and bool dtypes, integers beyond int64.
+SURROGATE, HUGE = "\ud800", 2**70
+ROW = np.ones((1, 4))
+HOSTILE = {
+    # -- the bank (state checked unchanged by test_hostile_inputs_leave_the_bank_unchanged)
+    "lookup surrogate key": (lambda api: api.filled_bank.lookup("h", [SURROGATE]), V, "keys"),
+    "lookup_async surrogate key": (lambda api: api.filled_bank.lookup_async("h", [SURROGATE]), V, "keys"),
+    "update surrogate key": (lambda api: api.filled_bank.update("h", ["a", SURROGATE], np.zeros((2, 4))), V, "keys"),
+    "apply_gradients surrogate key": (lambda api: api.filled_bank.apply_gradients("h", [SURROGATE], ROW), V, "keys"),
+    "row_metadata surrogate key": (lambda api: api.filled_bank.row_metadata("h", [SURROGATE]), V, "keys"),
+    "create_table surrogate name": (lambda api: api.filled_bank.create_table(SURROGATE, 4), V, "name"),
+    "key_from_string surrogate": (lambda api: bank.key_from_string(["a", SURROGATE]), V, "names"),
+    "lookup ragged keys": (lambda api: api.filled_bank.lookup("h", [[1], [1, 2]]), V, "keys"),
+    "lookup complex keys": (lambda api: api.filled_bank.lookup("h", np.ones(2, complex)), T, "keys"),
+    "lookup bool keys": (lambda api: api.filled_bank.lookup("h", np.ones(2, bool)), T, "keys"),
+    "lookup huge key": (lambda api: api.filled_bank.lookup("h", [1, HUGE]), V, "keys"),
+    "lookup None keys": (lambda api: api.filled_bank.lookup("h", None), V, "keys"),
+    "update string values": (lambda api: api.filled_bank.update("h", ["a"], [["x"] * 4]), T, "values"),
+    "update ragged values": (lambda api: api.filled_bank.update("h", ["a", "b"], [[1.0] * 4, [1.0]]), V, "values"),
+    "update None values": (lambda api: api.filled_bank.update("h", ["a"], None), T, "values"),
+    "update complex values": (lambda api: api.filled_bank.update("h", ["a"], ROW.astype(complex)), T, "values"),
+    "update bool values": (lambda api: api.filled_bank.update("h", ["a"], ROW.astype(bool)), T, "values"),
+    "update huge version": (lambda api: api.filled_bank.update("h", ["a"], ROW, version=HUGE), V, "version"),
+    "apply_gradients complex": (lambda api: api.filled_bank.apply_gradients("h", ["a"], ROW.astype(complex)), T,
+                                "gradients"),
+    "apply_gradients None": (lambda api: api.filled_bank.apply_gradients("h", ["a"], None), T, "gradients"),
+    "nearest complex queries": (lambda api: api.filled_bank.nearest("h", ROW.astype(complex)), T, "queries"),
+    "nearest huge k": (lambda api: api.filled_bank.nearest("h", ROW, k=HUGE), V, "k"),
+    "sample huge n": (lambda api: api.filled_bank.sample("h", HUGE), V, "n"),
+    "sample huge seed": (lambda api: api.filled_bank.sample("h", 1, seed=HUGE), V, "seed"),
+    "save int path": (lambda api: api.filled_bank.save(5), T, "path"),
+    "save None path": (lambda api: api.filled_bank.save(None), T, "path"),
+    "save bytes path": (lambda api: api.filled_bank.save(b"snapshot"), T, "path"),
+    "save surrogate path": (lambda api: api.filled_bank.save(api.tmp / SURROGATE), V, "path"),
+    "load int path": (lambda api: bank.KnowledgeBank.load(5), T, "path"),
+    "enable_snapshots int directory": (lambda api: api.filled_bank.enable_snapshots(5), T, "directory"),
+    # -- summaries
+    "scalar surrogate name": (lambda api: api.writer().scalar(SURROGATE, 1.0, step=0), V, "name"),
+    "scalars surrogate name": (lambda api: api.writer().scalars(SURROGATE, [1.0], [0]), V, "name"),
+    "text surrogate name": (lambda api: api.writer().text(SURROGATE, "x", step=0), V, "name"),
+    "text surrogate text": (lambda api: api.writer().text("t", SURROGATE, step=0), V, "text"),
+    "array string values": (lambda api: api.writer().array("a", ["x", "y"], step=0), T, "values"),
+    "array ragged values": (lambda api: api.writer().array("a", [[1.0], [1.0, 2.0]], step=0), V, "values"),
+    "array None values": (lambda api: api.writer().array("a", None, step=0), T, "values"),
+    "array complex values": (lambda api: api.writer().array("a", np.ones(3, complex), step=0), T, "values"),
+    "scalars ragged values": (lambda api: api.writer().scalars("s", [[1.0], [1.0, 2.0]], [0, 1]), V, "values"),
+    "scalars complex values": (lambda api: api.writer().scalars("s", np.ones(2, complex), [0, 1]), T, "values"),
+    "scalar huge step": (lambda api: api.writer().scalar("s", 1.0, step=HUGE), V, "step"),
+    "scalar None value": (lambda api: api.writer().scalar("s", None, step=0), T, "value"),
+    "SummaryWriter surrogate logdir": (lambda api: summaries.SummaryWriter(api.tmp / SURROGATE), V, "logdir"),
+    "SummaryWriter None logdir": (lambda api: summaries.SummaryWriter(None), T, "logdir"),
+    # -- moe routers
+    "top2_gating complex logits": (lambda api: moe.top2_gating(logits().astype(jnp.complex64), 2, rng=PRNG()), T,
+                                   "logits"),
+    "top2_gating bool logits": (lambda api: moe.top2_gating(logits().astype(bool), 2, rng=PRNG()), T, "logits"),
+    "top2_gating string rng": (lambda api: moe.top2_gating(logits(), 2, rng="seed"), T, "rng"),
+    "top2_gating bad key data": (lambda api: moe.top2_gating(logits(), 2, rng=np.zeros(7)), T, "rng"),
+    "top2_gating huge capacity": (lambda api: moe.top2_gating(logits(), HUGE, rng=PRNG()), V, "capacity"),
+    "top2_gating None logits": (lambda api: moe.top2_gating(None, 2, rng=PRNG()), T, "logits"),
+    "top1_gating complex logits": (lambda api: moe.top1_gating(logits().astype(jnp.complex64), 2), T, "logits"),
+    "top1_gating string logits": (lambda api: moe.top1_gating("logits", 2), T, "logits"),
+    "expert_choice_gating huge capacity": (lambda api: moe.expert_choice_gating(logits(), HUGE), V, "capacity"),
+    "route bool logits": (lambda api: moe.route(logits().astype(bool), 2, router="top1"), T, "logits"),
+    "expert_capacity huge group_size": (lambda api: moe.expert_capacity(HUGE, 2, 1.0), V, "group_size"),
+    # -- learned optimizers
+    "as_optax init string leaf": (lambda api: api.learnable_adam.as_optax().init({"w": "x"}), T, "params"),
+    "as_optax init complex leaf": (lambda api: api.learnable_adam.as_optax().init({"w": jnp.ones(2, jnp.complex64)}),
+                                   T, "params"),
+    "as_optax init bool leaf": (lambda api: api.learnable_adam.as_optax().init({"w": jnp.ones(2, bool)}), T,
+                                "params"),
+    "as_optax update complex grads": (lambda api: optax_update_with_complex_grads(api), T, "grads"),
+    "as_optax huge num_steps": (lambda api: api.learnable_adam.as_optax(num_steps=HUGE), V, "num_steps"),
+    "LearnedOptimizer.load int path": (lambda api: lopt.LearnedOptimizer.load(5), T, "path"),
+    "LearnedOptimizer.load None path": (lambda api: lopt.LearnedOptimizer.load(None), T, "path"),
+    "LearnedOptimizer.save int path": (lambda api: api.learnable_adam.save(None, 5), T, "path"),
+    "LearnableAdam complex learning rate": (lambda api: lopt.LearnableAdam(initial_learning_rate=1j), T,
+                                            "initial_learning_rate"),
+    # -- checkpoints
+    "CheckpointStore int path": (lambda api: training.CheckpointStore(5), T, "path"),
+    "CheckpointStore None path": (lambda api: training.CheckpointStore(None), T, "path"),
+    "CheckpointStore.save huge version": (lambda api: api.store.save({"w": np.zeros(1)}, version=HUGE), V, "version"),
+}
+CASES.update(HOSTILE)
+
+
+def PRNG():  # noqa: N802 - reads as the key it returns
+    import jax
+    return jax.random.key(0)
+
+
+def optax_update_with_complex_grads(api):
+    tx = api.learnable_adam.as_optax()
+    params = {"w": jnp.ones(2)}
+    return tx.update({"w": jnp.ones(2, jnp.complex64)}, tx.init(params), params)
+
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_bad_argument_is_named(api, case):
@@ -285,3 +394,29 @@ def test_bad_argument_is_named(api, case):
     with pytest.raises(error, match=argument) as raised:
         call(api)
     assert type(raised.value) in (TypeError, ValueError), f"a subclass {type(raised.value).__name__} is raised"
+
+
+def test_hostile_inputs_leave_the_bank_unchanged(api):
+    """Every hostile bank call above raised before touching anything: rows, versions, lookup
+    counts, tables and the directory are as before (and no part file of a refused save)."""
+    kb = api.filled_bank
+    keys = ["a", "b"]
+
+    def state():
+        meta = kb.row_metadata("h", keys)  # before the lookup below counts one
+        values, found = kb.lookup("h", keys)
+        stats = kb.stats()["tables"]
+        return (values.tolist(), found.tolist(), {k: np.asarray(v).tolist() for k, v in meta.items()},
+                sorted(stats), stats["h"]["rows"], sorted(p.name for p in api.tmp.iterdir()))
+
+    before = state()
+    for case, (call, error, argument) in HOSTILE.items():
+        if "filled_bank" in case or case.split()[0] in {"lookup", "lookup_async", "update", "apply_gradients",
+                                                        "row_metadata", "create_table", "nearest", "sample",
+                                                        "save", "enable_snapshots"}:
+            with pytest.raises(error, match=argument):
+                call(api)
+    after = state()
+    assert before[:2] == after[:2] and before[3:] == after[3:]
+    for name, column in before[2].items():  # lookup counts: + the one lookup of state() itself
+        assert after[2][name] == ([count + 1 for count in column] if name == "lookup_count" else column), name

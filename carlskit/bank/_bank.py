@@ -26,13 +26,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from carlskit._checks import choice, integer, positive_float
+from carlskit._checks import INT64_MAX, INT64_MIN, choice, integer, positive_float, utf8
 from carlskit.bank import _snapshot as snapshots
 from carlskit.bank._config import EmbeddingTableConfig, FeatureTableConfig, TableConfig
 from carlskit.bank._hashing import key_from_string
 from carlskit.bank._nearest import METRICS, top_k
 from carlskit.bank._snapshot import Location, SnapshotSeries, read_manifest
 from carlskit.bank._transport import BankFuture, ShardLostError, ShardSet
+from carlskit.bank._wal import DURABILITY
 from carlskit.cluster._placement import Placement
 
 __all__ = ["KnowledgeBank", "BankFuture", "ShardLostError"]
@@ -68,9 +69,14 @@ def _as_keys(keys: Any, name: str = "keys") -> np.ndarray:
         items = keys.tolist() if isinstance(keys, np.ndarray) and keys.dtype.kind == "U" else (
             np.asarray(keys, dtype=object).tolist())
         wrong = next((item for item in items if not isinstance(item, str)), None)
+        if wrong is not None and all(isinstance(item, int) and not isinstance(item, bool) for item in items):
+            huge = next((item for item in items if not INT64_MIN <= item <= INT64_MAX), wrong)
+            raise ValueError(f"{name} must be int64 ids, got {huge!r} beyond [-2**63, 2**63 - 1]")
         if wrong is not None:
             raise TypeError(f"{name} must be all int64 ids or all strings, got "
                             f"{type(wrong).__name__} {wrong!r} among strings")
+        for item in items:
+            utf8(item, name)
         return key_from_string(items)
     if len(array) == 0 and array.dtype.kind not in "iu":
         array = array.astype(np.int64)
@@ -260,6 +266,7 @@ class KnowledgeBank:
             raise TypeError(f"name must be a non-empty str, got {type(name).__name__}")
         if not name:
             raise ValueError("name must be a non-empty str, got ''")
+        utf8(name, "name")
         if name in self._configs or name in self._all_configs():
             raise ValueError(f"table {name!r} already exists")
         per_shard = min(max(16, -(-capacity // self.num_shards)), PREALLOCATED_ROWS)
@@ -551,7 +558,8 @@ class KnowledgeBank:
 
     def enable_snapshots(self, directory: str | os.PathLike, *, every_seconds: float | None = None,
                          every_versions: int | None = None, keep: int = 3,
-                         write_ahead_log: bool = False, poll_seconds: float = 1.0) -> str:
+                         write_ahead_log: bool = False, durability: str = "process",
+                         poll_seconds: float = 1.0) -> str:
         """Keep snapshots of this bank in ``directory`` (``snapshot-NNNNNNNNNNNN`` folders, the
         newest ``keep`` kept) so that :meth:`recover` can rebuild a lost shard; takes the first
         one now and returns its path.
@@ -566,6 +574,10 @@ class KnowledgeBank:
             ``directory/wal`` before applying it (:mod:`carlskit.bank._wal`; a local or mounted
             shared directory), truncated at each snapshot, so :meth:`recover` replays a lost shard's
             acknowledged writes too. Costs a disk append per write (see BENCHMARKS.md).
+          durability: what an acknowledged write of the log survives: ``"process"`` (default) the
+            loss of the shard's worker process; ``"machine"`` the loss of its machine too (its
+            page cache): every write waits for a group ``fdatasync`` covering its record
+            (:mod:`carlskit.bank._wal`; its cost on ``apply_gradients`` is in BENCHMARKS.md).
         """
         self._shards.require_open()
         keep = integer(keep, "keep", minimum=1)
@@ -576,13 +588,16 @@ class KnowledgeBank:
         poll_seconds = positive_float(poll_seconds, "poll_seconds")
         if not isinstance(write_ahead_log, bool):
             raise TypeError(f"write_ahead_log must be a bool, got {type(write_ahead_log).__name__}")
+        choice(durability, "durability", DURABILITY)
+        if durability == "machine" and not write_ahead_log:
+            raise ValueError('durability="machine" needs write_ahead_log=True (it is the log\'s durability)')
         series = SnapshotSeries(directory, keep)
         if write_ahead_log and not series.location.local:
             raise ValueError(f"write_ahead_log needs a local or mounted shared directory (the "
                              f"shards append to files there), got {series.location.url!r}")
         self._snapshots.stop()
         with self._snapshots.lock:  # the first snapshot is there before a recover() can look
-            self._snapshots.use(self._shards, series, write_ahead_log)
+            self._snapshots.use(self._shards, series, write_ahead_log, durability)
             path = self.snapshot()
         if every_seconds is not None or every_versions is not None:
             self._snapshots.start(self.snapshot, lambda: max(self._shards.call_all("max_version")),
@@ -642,7 +657,8 @@ class KnowledgeBank:
             for shard in lost:
                 start = time.perf_counter()
                 fill = functools.partial(snapshots.restore_shard, shard=shard, configs=configs,
-                                         location=location, manifest=manifest, wal_directory=wal_directory)
+                                         location=location, manifest=manifest, wal_directory=wal_directory,
+                                         wal_durability=self._snapshots.wal_durability)
                 worker, restored = self._shards.rebuild(shard, lost, fill)
                 report[shard] = {"worker": worker, "snapshot": location.url, **restored,
                                  "seconds": time.perf_counter() - start}

@@ -10,6 +10,8 @@ import hashlib
 
 import numpy as np
 
+from carlskit._checks import utf8
+
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
 _MIX2 = np.uint64(0x94D049BB133111EB)
@@ -52,7 +54,7 @@ def key_from_string(names: str | list[str] | np.ndarray) -> np.ndarray:
         names = [names]
     out = np.empty(len(names), dtype=np.int64)
     for i, name in enumerate(names):
-        digest = hashlib.blake2b(str(name).encode("utf-8"), digest_size=8).digest()
+        digest = hashlib.blake2b(utf8(str(name), "names"), digest_size=8).digest()
         out[i] = int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
     return out
 

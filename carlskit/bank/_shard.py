@@ -73,6 +73,17 @@ class _Shard:
             self._wal.append(method, now, (name, *args))
         return self._apply(method, now, name, *args)
 
+    def _acknowledged(self, method: str, name: str | None, *args: Any, wait: bool = True) -> Any:
+        """:meth:`_write` under the shard's lock; then, outside it, wait until the log's durability
+        holds the record (``"machine"``: a group fsync; see :mod:`carlskit.bank._wal`)."""
+        with self._lock:
+            result = self._write(method, name, *args)
+            wal = self._wal
+            ticket = wal.appended if wal is not None else 0
+        if wait and wal is not None:
+            wal.wait_durable(ticket)
+        return result
+
     def _apply(self, method: str, now: float, name: str | None, *args: Any) -> Any:
         """Apply one logged call at its time ``now`` (live calls and write-ahead log replay)."""
         if method == "flush":
@@ -126,16 +137,15 @@ class _Shard:
             return {name: table.config for name, table in self._tables.items()}
 
     def lookup(self, name: str, keys: np.ndarray, insert_missing: bool):
-        with self._lock:  # a lookup counts, may insert rows and applies cached gradients
-            return self._write("lookup", name, keys, insert_missing)
+        # a lookup counts, may insert rows and applies cached gradients; only an inserting one
+        # waits for durability (the others' records become durable with the next write)
+        return self._acknowledged("lookup", name, keys, insert_missing, wait=bool(insert_missing))
 
     def update(self, name: str, keys: np.ndarray, values: Any, version: int) -> None:
-        with self._lock:
-            self._write("update", name, keys, values, version)
+        self._acknowledged("update", name, keys, values, version)
 
     def apply_gradients(self, name: str, keys: np.ndarray, gradients: np.ndarray) -> None:
-        with self._lock:
-            self._write("apply_gradients", name, keys, gradients)
+        self._acknowledged("apply_gradients", name, keys, gradients)
 
     def nearest(self, name: str, queries: np.ndarray, k: int, metric: str,
                 exclude: np.ndarray | None, exact: bool | None):
@@ -155,8 +165,7 @@ class _Shard:
             return table.metadata(keys)
 
     def flush(self, name: str | None = None) -> None:
-        with self._lock:
-            self._write("flush", name)
+        self._acknowledged("flush", name)
 
     def stats(self) -> dict[str, dict[str, Any]]:
         with self._lock:
@@ -169,7 +178,7 @@ class _Shard:
 
     # ----- snapshots and the write-ahead log (carlskit.bank._snapshot, carlskit.bank._wal)
     def write_snapshot_parts(self, url: str, save_id: str, names: list[str],
-                             wal_directory: str | None) -> dict[str, Any]:
+                             wal_directory: str | None, durability: str = "process") -> dict[str, Any]:
         """Write this shard's part of every table in ``names`` (numbered in that order) to the
         snapshot directory ``url``, all under the shard's lock (one moment of this shard). With
         ``wal_directory``, a new write-ahead log segment starts at exactly this moment."""
@@ -187,15 +196,15 @@ class _Shard:
                 segment = (self._wal.segment + 1 if self._wal is not None
                            and self._wal.wal_directory == wal_directory
                            else WriteAheadLog.next_segment(wal_directory, self.shard_index))
-                self._start_wal(wal_directory, segment)
+                self._start_wal(wal_directory, segment, durability)
             return {"parts": parts, "wal_segment": segment}
 
-    def _start_wal(self, wal_directory: str | None, segment: int | None) -> None:
+    def _start_wal(self, wal_directory: str | None, segment: int | None, durability: str = "process") -> None:
         if self._wal is not None:
             self._wal.close()
             self._wal = None
         if wal_directory is not None:
-            self._wal = WriteAheadLog(wal_directory, self.shard_index, segment)
+            self._wal = WriteAheadLog(wal_directory, self.shard_index, segment, durability)
 
     def stop_write_ahead_log(self) -> None:
         with self._lock:
@@ -223,7 +232,7 @@ class _Shard:
                 for key, value in (counters or {}).items():
                     table.counters[key] = table.counters.get(key, 0) + int(value)
 
-    def replay_write_ahead_log(self, wal_directory: str, first_segment: int) -> int:
+    def replay_write_ahead_log(self, wal_directory: str, first_segment: int, durability: str = "process") -> int:
         """Apply every logged call since the snapshot this shard was loaded from (segments from
         ``first_segment`` on), each at its logged time; then log on in a new segment. Returns the
         number of calls replayed."""
@@ -237,6 +246,6 @@ class _Shard:
                     # was applied): it failed then, it fails now, and the rest still applies
                     continue
                 count += 1
-            self._start_wal(wal_directory, WriteAheadLog.next_segment(wal_directory,
-                                                                      self.shard_index))
+            self._start_wal(wal_directory, WriteAheadLog.next_segment(wal_directory, self.shard_index),
+                            durability)
             return count

@@ -49,6 +49,7 @@ import fsspec.implementations.memory
 import numpy as np
 
 from carlskit._checks import integer
+from carlskit._checks import path as check_path
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json
 from carlskit.bank._config import EmbeddingTableConfig, TableConfig
@@ -80,8 +81,8 @@ class Location:
     """A snapshot directory: a local path (made absolute, so workers resolve it the same way) or
     an fsspec URL."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        path = os.fspath(path)
+    def __init__(self, path: str | os.PathLike, name: str = "path") -> None:
+        path = os.fspath(check_path(path, name))
         self.fs, self.root = filesystem(path)
         self.local = isinstance(self.fs, fsspec.implementations.local.LocalFileSystem)
         self.url = os.path.abspath(self.root) if self.local else path
@@ -420,7 +421,7 @@ class SnapshotSeries:
     newest ``keep`` kept; the write-ahead log, if any, lives in its ``wal`` subdirectory."""
 
     def __init__(self, directory: str | os.PathLike, keep: int) -> None:
-        self.location = Location(directory)
+        self.location = Location(directory, "directory")
         self.keep = keep
         self.location.fs.makedirs(self.location.root, exist_ok=True)
 
@@ -475,7 +476,7 @@ def run_parallel(calls: list[Callable[[], Any]]) -> list[Any]:
 
 # ----------------------------------------------------------------------------- a bank's snapshots
 def save(shards: Any, configs: dict[str, TableConfig], location: Location,
-         wal_directory: str | None = None) -> dict:
+         wal_directory: str | None = None, wal_durability: str = "process") -> dict:
     """Save the tables ``configs`` of ``shards`` (a bank's :class:`~carlskit.bank._transport.ShardSet`)
     to ``location``: every shard writes its parts, then the manifest is written (the commit
     point). With ``wal_directory``, every shard starts a new write-ahead log segment at its part.
@@ -483,8 +484,12 @@ def save(shards: Any, configs: dict[str, TableConfig], location: Location,
     check_save_target(location)
     names = sorted(configs)
     save_id = new_save_id()
-    written = shards.call_parallel("write_snapshot_parts", {
-        i: (location.url, save_id, names, wal_directory) for i in range(len(shards))})
+    try:
+        written = shards.call_parallel("write_snapshot_parts", {
+            i: (location.url, save_id, names, wal_directory, wal_durability) for i in range(len(shards))})
+    except BaseException:
+        _remove_parts_of(location, save_id)  # the shards that did write: no stray part beside the old snapshot
+        raise
     tables = []
     for name in names:
         parts = [written[i]["parts"][name] for i in range(len(shards))]
@@ -497,6 +502,16 @@ def save(shards: Any, configs: dict[str, TableConfig], location: Location,
                                     [written[i]["wal_segment"] for i in range(len(shards))])}
     write_manifest(location, manifest)  # the commit point
     return manifest
+
+
+def _remove_parts_of(location: Location, save_id: str) -> None:
+    """Remove the part files of the (failed) save ``save_id``; the snapshot that was there stays."""
+    for name in location.names():
+        if _PART_NAME.match(name) and name.endswith(f"-{save_id}.part"):
+            try:
+                location.fs.rm(location.file(name))
+            except FileNotFoundError:
+                pass
 
 
 def _summed_counters(parts: list[dict]) -> dict[str, int]:
@@ -550,7 +565,7 @@ def recovery_source(series: "SnapshotSeries | None", wal_directory: str | None,
 
 
 def restore_shard(actor: Any, shard: int, configs: dict[str, TableConfig], location: Location,
-                  manifest: dict, wal_directory: str | None) -> dict[str, Any]:
+                  manifest: dict, wal_directory: str | None, wal_durability: str = "process") -> dict[str, Any]:
     """Fill the new, empty actor of lost shard ``shard`` from its part of the snapshot, then replay
     its write-ahead log since that snapshot (``wal_directory``). Returns its rows per table and the
     number of calls replayed."""
@@ -559,8 +574,8 @@ def restore_shard(actor: Any, shard: int, configs: dict[str, TableConfig], locat
     actor.import_snapshot(location.url, import_plan(manifest, shard, manifest["num_shards"])).result()
     replayed = 0
     if wal_directory is not None:
-        replayed = actor.replay_write_ahead_log(wal_directory,
-                                                manifest["write_ahead_log"][shard]).result()
+        replayed = actor.replay_write_ahead_log(wal_directory, manifest["write_ahead_log"][shard],
+                                                wal_durability).result()
     rows = {name: table["rows"] for name, table in actor.stats().result().items()}
     return {"rows": rows, "replayed_calls": replayed}
 
@@ -573,11 +588,12 @@ class BankSnapshots:
     def __init__(self) -> None:
         self.series: SnapshotSeries | None = None
         self.wal_directory: str | None = None
+        self.wal_durability = "process"
         self.lock = threading.RLock()
         self._thread: Any = None
         self._stop: Any = None
 
-    def use(self, shards: Any, series: SnapshotSeries, write_ahead_log: bool) -> None:
+    def use(self, shards: Any, series: SnapshotSeries, write_ahead_log: bool, durability: str = "process") -> None:
         """Keep snapshots in ``series`` from now on (the shards' log in its ``wal`` directory when
         ``write_ahead_log``; a log switched off is stopped on every shard)."""
         with self.lock:
@@ -585,6 +601,7 @@ class BankSnapshots:
                 shards.call_all("stop_write_ahead_log")
             self.series = series
             self.wal_directory = series.wal_directory if write_ahead_log else None
+            self.wal_durability = durability
 
     def take(self, shards: Any, configs: dict[str, TableConfig]) -> str:
         """Save the next snapshot of the series (every shard's log starts a new segment there);
@@ -593,7 +610,7 @@ class BankSnapshots:
             raise ValueError("snapshot() needs a snapshot directory: call enable_snapshots(directory)")
         with self.lock:
             number, path = self.series.next_path()
-            manifest = save(shards, configs, Location(path), self.wal_directory)
+            manifest = save(shards, configs, Location(path), self.wal_directory, self.wal_durability)
             if self.wal_directory is not None:
                 for shard, segment in enumerate(manifest["write_ahead_log"]):
                     truncate_before(self.wal_directory, shard, segment)

@@ -18,8 +18,22 @@ copy of the arrays. A record cut short at the very end of the last segment was n
 Segments live in ``<snapshot directory>/wal/shard-NNNNN/SSSSSSSSSSSS.wal``. Each snapshot starts a
 new segment under the shard's lock (the exact cut between the part and the log) and records its
 number in the manifest; segments older than the latest committed snapshot's are deleted, so the
-log is truncated at each snapshot. Records are not fsync'd one by one: they survive the loss of the
-worker process (the kernel holds them), not the sudden loss of the machine's power.
+log is truncated at each snapshot.
+
+Durability (``KnowledgeBank.enable_snapshots(..., durability=)``):
+
+- ``"process"`` (default): records are written, not fsync'd. They survive the loss of the worker
+  process (the kernel holds them), not the loss of the machine (its page cache).
+- ``"machine"``: a write is acknowledged only once an ``fdatasync`` of its segment covered its
+  record (the segment's directory is fsync'd when the segment is created, so the file itself
+  survives too). The syncs are grouped: the first call that needs one syncs everything appended so
+  far, after it released the shard's lock, and calls that arrive meanwhile wait for the next sync,
+  which covers all of them (leader-based group commit, as databases do). No timer: a timer only
+  adds latency when one caller writes at a time (a Dask actor runs one call at a time), and callers
+  that overlap group by themselves. Reads (``lookup`` without ``insert_missing``, ``nearest``,
+  ``sample``, ``row_metadata``) do not wait: their records (lookup counts, a ttl flush they
+  triggered) become durable with the next write's sync, and a machine loss may cost them. The cost
+  on ``apply_gradients`` is in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -27,6 +41,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import threading
 import zlib
 from typing import Any, Iterator
 
@@ -39,6 +54,12 @@ _MAGIC = b"CKW1"
 _PREFIX = struct.Struct("<4sQI")  # magic, body length, crc32(body)
 _BODY_HEAD = struct.Struct("<II")  # header length, number of array frames
 _SEGMENT = re.compile(r"^(\d{12})\.wal$")
+DURABILITY = ("process", "machine")
+
+# Looked up at call time, so that a test can put a layer between the log and the disk that keeps
+# only the bytes a sync covered (tests/bank/test_wal_durability.py): the log is then tested by what
+# survives, not by trusting the call.
+_fdatasync = getattr(os, "fdatasync", os.fsync)  # macOS has no fdatasync
 
 
 def shard_directory(wal_directory: str, shard: int) -> str:
@@ -70,16 +91,40 @@ def _write_all(fd: int, buffers: list[Any]) -> None:
                 written = 0
 
 
-class WriteAheadLog:
-    """The open segment of one shard's log."""
+def _sync_directory(directory: str) -> None:
+    """fsync a directory, so that the names created in it survive the loss of the machine."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    def __init__(self, wal_directory: str, shard: int, segment: int) -> None:
+
+class WriteAheadLog:
+    """The open segment of one shard's log; ``durability`` as in the module doc.
+
+    :meth:`append` (under the shard's lock) returns the record's end, a ticket;
+    :meth:`wait_durable` (after the shard's lock is released) returns once a sync covered it.
+    """
+
+    def __init__(self, wal_directory: str, shard: int, segment: int, durability: str = "process") -> None:
+        if durability not in DURABILITY:
+            raise ValueError(f"durability must be one of {list(DURABILITY)}, got {durability!r}")
         self.directory = shard_directory(wal_directory, shard)
         os.makedirs(self.directory, exist_ok=True)
         self.wal_directory = wal_directory
         self.segment = segment
+        self.durability = durability
         self.path = segment_path(self.directory, segment)
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self.appended = 0  # bytes appended (tickets)
+        self.durable = 0  # bytes a sync covered
+        self.syncs = 0
+        self._synced = threading.Condition()
+        self._syncing = False
+        if durability == "machine":
+            _sync_directory(self.directory)
+            _sync_directory(os.path.dirname(self.directory))
 
     @classmethod
     def next_segment(cls, wal_directory: str, shard: int) -> int:
@@ -96,14 +141,47 @@ class WriteAheadLog:
             crc = zlib.crc32(part, crc)
         size = sum(memoryview(p).nbytes for p in body)
         _write_all(self._fd, [_PREFIX.pack(_MAGIC, size, crc), *body])
+        self.appended += _PREFIX.size + size
+        return self.appended
+
+    def wait_durable(self, ticket: int) -> None:
+        """Return once the record ending at ``ticket`` survives the machine's loss (``"machine"``;
+        at once for ``"process"``). Call it without holding the shard's lock: calls meanwhile
+        append, and one sync covers them all."""
+        if self.durability != "machine":
+            return
+        with self._synced:
+            while self.durable < ticket:
+                if self._syncing:  # a sync is running: the next one (or this one) covers us
+                    self._synced.wait()
+                    continue
+                self._syncing, target, fd = True, self.appended, self._fd
+                self._synced.release()
+                try:
+                    _fdatasync(fd)
+                finally:
+                    self._synced.acquire()
+                    self._syncing = False
+                    self._synced.notify_all()
+                self.durable, self.syncs = max(self.durable, target), self.syncs + 1
 
     def close(self) -> None:
-        if self._fd >= 0:
-            os.close(self._fd)
-            self._fd = -1
+        """Close the segment; with ``"machine"``, after a last sync (a new segment follows)."""
+        with self._synced:
+            while self._syncing:
+                self._synced.wait()
+            if self._fd >= 0:
+                if self.durability == "machine" and self.durable < self.appended:
+                    _fdatasync(self._fd)
+                    self.durable, self.syncs = self.appended, self.syncs + 1
+                os.close(self._fd)
+                self._fd = -1
+            self._synced.notify_all()
 
     def __del__(self) -> None:
-        self.close()
+        if getattr(self, "_fd", -1) >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def read_segment(path: str, last: bool) -> Iterator[tuple[str, float, list]]:

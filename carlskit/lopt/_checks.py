@@ -36,7 +36,14 @@ def _leaf_name(name: str, path: tuple) -> str:
 def check_real_floating(tree: PyTree, name: str) -> None:
     """TypeError naming the leaf path of the first leaf whose dtype is not real floating."""
     for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        dtype = np.result_type(leaf) if not hasattr(leaf, "dtype") else leaf.dtype
+        if hasattr(leaf, "dtype"):
+            dtype = leaf.dtype
+        else:  # np.result_type("x") would read the string as a dtype name
+            try:
+                dtype = np.asarray(leaf).dtype
+            except (ValueError, TypeError):
+                raise TypeError(f"{_leaf_name(name, path)}: a {type(leaf).__name__} that is not an array "
+                                "(ragged or unconvertible)") from None
         if not jax.dtypes.issubdtype(dtype, np.floating):
             raise TypeError(f"{_leaf_name(name, path)}: dtype {dtype} is not a real floating dtype "
                             "(float16/bfloat16/float32/float64)")

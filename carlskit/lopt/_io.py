@@ -1,18 +1,21 @@
 """Meta-parameters on disk without pickle: ONE ``.npz`` holding the arrays and a JSON description.
 
-Layout of ``<name>.npz`` (``format_version`` 3): entries ``leaf_0 .. leaf_{n-1}`` (the meta-parameter
+Layout of ``<name>.npz`` (``format_version`` 4): entries ``leaf_0 .. leaf_{n-1}`` (the meta-parameter
 arrays, real floating dtypes) and ``__carlskit__``, a ``uint8`` array holding the checksummed JSON
 document (:func:`carlskit._serialization.dumps_checked_json`) of
-``{"format_version": 3, "structure": ..., "config": ..., "leaves": {"leaf_<i>": [dtype, shape, sha256]}}``.
+``{"format_version": 4, "structure": ..., "config": ..., "leaves": {"leaf_<i>": [dtype, shape, sha256]}}``.
 ``structure`` describes the nested dicts/lists with leaves named ``"leaf:<i>"``; ``config`` is the
 caller's JSON (rule, horizon, info); ``leaves`` records each array's dtype, shape and the SHA-256 of
-its bytes. So every byte is checked: the description by its own SHA-256, each array by zip's CRC-32
-and by the SHA-256 the description records (an entry rewritten with a valid CRC is still caught).
+its bytes. The archive is then sealed (:func:`carlskit._serialization.seal_zip`): its zip comment is the
+SHA-256 of every byte before it, so every byte is checked, the zip container (local headers, central
+directory) included, and checked first; the description's own SHA-256 and the SHA-256 it records for
+each array catch a file re-written and re-sealed by a buggy writer.
 Any damage, whichever layer notices it (zip, zlib, JSON, checksum, structure), raises
 :class:`carlskit.CorruptFileError` (a ``ValueError``) naming the file.
 
-Files of ``format_version`` 2 (the same layout with a plain, unchecksummed JSON description) are
-still read, with a warning: re-save them to add the checksums.
+Older files are still read, with a warning to re-save them: ``format_version`` 3 (the same layout,
+unsealed: the container's headers are unchecked) and 2 (a plain, unchecksummed JSON description).
+A format-4 description in an unsealed file is damage (a flip broke the seal), never a format-3 file.
 
 Everything is serialized and checked in memory first; then the bytes go to a temporary sibling which
 is renamed over the target (``os.replace``, atomic). A failing save leaves the previous file as it was
@@ -31,18 +34,23 @@ from typing import Any
 import jax
 import numpy as np
 
+from carlskit._checks import path as check_path
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import (
     arrays_to_npz_bytes,
     atomic_write,
+    check_seal,
     dumps_checked_json,
     filesystem,
+    is_sealed,
     loads_checked_json,
     npz_bytes_to_arrays,
+    seal_zip,
     sha256_hex,
 )
 
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
+UNSEALED_FORMAT_VERSION = 3  # checksummed description and arrays, unsealed container: still read
 LEGACY_FORMAT_VERSION = 2  # plain JSON description, no checksums: still read
 DESCRIPTION_ENTRY = "__carlskit__"
 SUFFIX = ".npz"
@@ -54,7 +62,7 @@ def meta_params_file(path: str | os.PathLike) -> pathlib.Path:
 
     The suffix is appended, never substituted, so ``"lopt.v1"`` and ``"lopt.v2"`` are different files.
     """
-    name = os.fspath(path)
+    name = os.fspath(check_path(path, "path"))
     if not isinstance(name, str):
         raise TypeError(f"path must be a str or os.PathLike naming a file, got {path!r}")
     return pathlib.Path(name if name.endswith(SUFFIX) else name + SUFFIX)
@@ -142,7 +150,7 @@ def save_meta_params(path: str | os.PathLike, meta_params: Any, config: dict[str
                 "leaves": {name: _leaf_record(array) for name, array in arrays.items()}}
     description = dumps_checked_json(document)
     arrays[DESCRIPTION_ENTRY] = np.frombuffer(description, np.uint8)
-    data = arrays_to_npz_bytes(arrays)
+    data = seal_zip(arrays_to_npz_bytes(arrays))
     target.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(*filesystem(target), data)
     return target
@@ -170,8 +178,9 @@ def _rebuild(file: pathlib.Path, structure: Any, arrays: dict[str, np.ndarray], 
     raise _corrupt(file, f"bad structure node {json.dumps(structure)[:80]}")
 
 
-def _description(file: pathlib.Path, raw: bytes) -> dict:
-    """The description document: checksummed (format 3), or a legacy plain one (format 2, warned)."""
+def _description(file: pathlib.Path, raw: bytes, sealed: bool) -> dict:
+    """The description document: checksummed (format 4 in a sealed file, 3 in an unsealed one, warned),
+    or a legacy plain one (format 2, warned)."""
     try:
         plain = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except (UnicodeDecodeError, ValueError) as err:
@@ -182,15 +191,23 @@ def _description(file: pathlib.Path, raw: bytes) -> dict:
         return plain
     if isinstance(plain, dict) and "format_version" in plain:
         raise _corrupt(file, f"format_version {plain['format_version']!r}, this reader reads {FORMAT_VERSION} "
-                             f"(and {LEGACY_FORMAT_VERSION})")
+                             f"(and {UNSEALED_FORMAT_VERSION}, {LEGACY_FORMAT_VERSION})")
     try:
         document = loads_checked_json(raw, file)
     except CorruptFileError as err:
         raise _corrupt(file, f"JSON description: {err.problem}") from err
     if not isinstance(document, dict):
         raise _corrupt(file, f"JSON description is a {type(document).__name__}, expected an object")
-    if document.get("format_version") != FORMAT_VERSION:
-        raise _corrupt(file, f"format_version {document.get('format_version')!r}, this reader reads {FORMAT_VERSION}")
+    version = document.get("format_version")
+    if version == FORMAT_VERSION and not sealed:
+        raise _corrupt(file, f"format_version {FORMAT_VERSION} file without its SHA-256 seal")
+    if version == UNSEALED_FORMAT_VERSION and not sealed:
+        warnings.warn(f"{file}: learned-optimizer file of format_version {UNSEALED_FORMAT_VERSION} has no "
+                      "SHA-256 seal over its zip container; re-save it to add one", UserWarning, stacklevel=4)
+        return document
+    if version != FORMAT_VERSION:
+        raise _corrupt(file, f"format_version {version!r}, this reader reads {FORMAT_VERSION} (sealed) and "
+                             f"{UNSEALED_FORMAT_VERSION} (unsealed)")
     return document
 
 
@@ -209,9 +226,19 @@ def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
     file = meta_params_file(path)
     if not file.is_file():
         raise FileNotFoundError(f"{file}: no such learned-optimizer file")
-    data = file.read_bytes()
+    return meta_params_from_bytes(file.read_bytes(), file)
+
+
+def meta_params_from_bytes(data: bytes, file: pathlib.Path) -> tuple[Any, dict[str, Any]]:
+    """:func:`load_meta_params` of the bytes ``data`` read from ``file`` (named in errors)."""
     if data[:len(ZIP_MAGIC)] != ZIP_MAGIC:
         raise _corrupt(file, "empty file" if not data else "not an .npz (zip) archive")
+    sealed = is_sealed(data)
+    if sealed:  # before any parsing: every byte, container included
+        try:
+            check_seal(data, file)
+        except CorruptFileError as err:
+            raise _corrupt(file, err.problem) from err
     try:
         arrays = npz_bytes_to_arrays(data, file)
     except CorruptFileError as err:  # zip, zlib, npy header, pickle refusal...: all mean a bad file
@@ -223,13 +250,13 @@ def load_meta_params(path: str | os.PathLike) -> tuple[Any, dict[str, Any]]:
                              "(.npz + .json) are not read any more")
     if raw.dtype != np.uint8 or raw.ndim != 1:
         raise _corrupt(file, f"{DESCRIPTION_ENTRY!r} is {raw.dtype}{list(raw.shape)}, expected 1-D uint8")
-    document = _description(file, raw.tobytes())
+    document = _description(file, raw.tobytes(), sealed)
     missing = {"format_version", "structure", "config"} - set(document)
     if missing:
         raise _corrupt(file, f"JSON description lacks {sorted(missing)}")
     if not isinstance(document["config"], dict):
         raise _corrupt(file, f"config is a {type(document['config']).__name__}, expected an object")
-    if document["format_version"] == FORMAT_VERSION:
+    if document["format_version"] in (FORMAT_VERSION, UNSEALED_FORMAT_VERSION):
         leaves = document.get("leaves")
         if not isinstance(leaves, dict) or set(leaves) != set(arrays):
             listed = sorted(leaves) if isinstance(leaves, dict) else leaves

@@ -124,6 +124,7 @@ class LearnedOptimizer:
                                  "call tx.update(grads, state, params)")
             check_real_floating(params, "params")
             check_same_layout(params, "params", updates, "grads")
+            check_real_floating(updates, "grads")
             return rule.update(theta, state, updates, params, time_scale)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)

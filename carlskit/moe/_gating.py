@@ -12,12 +12,12 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from carlskit._checks import choice, finite_float, positive_float, positive_int
+from carlskit._checks import choice, finite_float, integer, positive_float, positive_int
 
 SECOND_EXPERT_POLICIES = ("random", "all", "none", "sampling")
 ROUTERS = ("top2", "top1", "expert_choice")
@@ -120,15 +120,56 @@ def expert_capacity(
     return int(min(group_size, max(1, capacity)))
 
 
+# C slots per expert: positions are computed in int32, and C beyond that could only mean a typo
+# (the [G, S, E, C] buffers would not fit in any memory).
+MAX_CAPACITY = 2**31 - 1
+
+
 def _check_logits(logits: jax.Array, capacity: int, *, min_experts: int = 1) -> int:
-    """Static (trace-time) checks of the router inputs: rank, non-empty dims, capacity."""
+    """Static (trace-time) checks of the router inputs: rank, non-empty dims, real dtype, capacity."""
     shape = getattr(logits, "shape", None)
     if shape is None or len(shape) != 3 or shape[1] < 1 or shape[2] < min_experts:
         raise ValueError(
             f"logits must have shape [groups, group_size >= 1, num_experts >= {min_experts}], "
             f"got {shape if shape is not None else type(logits).__name__}"
         )
-    return positive_int(capacity, "capacity")
+    kind = jnp.dtype(logits.dtype).kind
+    if kind not in "iuf" and not jnp.issubdtype(logits.dtype, jnp.floating):  # bfloat16 has kind "V"
+        raise TypeError(f"logits must be a real-valued array [groups, group_size, num_experts], got dtype "
+                        f"{logits.dtype}")
+    return integer(capacity, "capacity", 1, MAX_CAPACITY, why=" (buffer positions are int32)")
+
+
+def _checked_at_the_boundary(routing: Callable) -> Callable:
+    """``routing`` (a jitted router) with its array arguments checked before ``jax.jit`` sees them:
+    jit would refuse a string ``logits`` or ``rng`` with "Error interpreting argument ... as an
+    abstract array", and a malformed key with "invalid PRNG key data"; here the error names the
+    argument. The dtype and shape checks of :func:`_check_logits` run at trace time."""
+
+    @functools.wraps(routing)
+    def checked(logits: Any, *args: Any, **kwargs: Any) -> Routing:
+        if not hasattr(logits, "shape") or not hasattr(logits, "dtype"):
+            raise TypeError(f"logits must be an array [groups, group_size, num_experts], got "
+                            f"{type(logits).__name__}")
+        if kwargs.get("rng") is not None:
+            _check_rng(kwargs["rng"])
+        return routing(logits, *args, **kwargs)
+
+    return checked
+
+
+def _check_rng(rng: Any) -> None:
+    """One jax.random key: a typed key of shape () or raw key data (uint32, the default impl's shape)."""
+    dtype, shape = getattr(rng, "dtype", None), getattr(rng, "shape", None)
+    if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        if shape != ():
+            raise ValueError(f"rng must be one jax.random key (shape ()), got a key array of shape {shape}")
+        return
+    raw_shape = jax.random.key_data(jax.random.key(0)).shape
+    if dtype is None or jnp.dtype(dtype) != jnp.uint32 or tuple(shape) != raw_shape:
+        described = type(rng).__name__ if dtype is None else f"dtype {dtype}, shape {tuple(shape)}"
+        raise TypeError(f"rng must be one jax.random key (jax.random.key(seed), or PRNGKey raw data of "
+                        f"dtype uint32 and shape {raw_shape}), got {described}")
 
 
 def _token_masks(
@@ -390,6 +431,7 @@ _ROUTING_STATICS = (
 )
 
 
+@_checked_at_the_boundary
 @functools.partial(jax.jit, static_argnames=_ROUTING_STATICS)
 def top2_gating(
     logits: jax.Array,
@@ -475,6 +517,7 @@ def top2_gating(
     )
 
 
+@_checked_at_the_boundary
 @functools.partial(jax.jit, static_argnames=("capacity", "gating_logit_cap", "fprop_dtype", "mask_dtype"))
 def top1_gating(
     logits: jax.Array,
@@ -495,6 +538,7 @@ def top1_gating(
     )
 
 
+@_checked_at_the_boundary
 @functools.partial(jax.jit, static_argnames=("capacity", "gating_logit_cap", "fprop_dtype", "mask_dtype"))
 def expert_choice_gating(
     logits: jax.Array,

@@ -149,7 +149,7 @@ def _check_rate(sample_rate: float, argument: str = "sample_rate") -> float:
 def _check_name(name: str) -> str:
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a non-empty str, got {name!r}")
-    if len(name.encode("utf-8")) >= 2**16:
+    if len(_checks.utf8(name, "name")) >= 2**16:
         raise ValueError("name must be shorter than 65536 bytes in UTF-8")
     return name
 
@@ -379,11 +379,12 @@ class SummaryWriter:
         """Log many points of one scalar at once (1-D ``values`` and ``steps`` of equal length,
         ``steps`` integers in the int64 range); return how many were kept."""
         _check_name(name)
-        values = np.asarray(values)
-        if values.dtype.kind not in "biuf":
-            raise TypeError(f"scalars {name!r}: values must be numbers, got dtype {values.dtype}")
-        values = values.astype(np.float64).reshape(-1)
-        steps = np.asarray(steps)
+        values = _checks.real_array(values, "values").astype(np.float64).reshape(-1)
+        try:
+            steps = np.asarray(steps)
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"steps must be integers of shape {values.shape} like values, got a ragged or "
+                             f"unconvertible {type(steps).__name__}") from error
         if steps.shape != values.shape or steps.dtype.kind not in "iu":
             raise ValueError(
                 f"steps must be integers of shape {values.shape} like values, got {steps.dtype} {steps.shape}"
@@ -432,7 +433,7 @@ class SummaryWriter:
             kind = _format.SAMPLES
         else:
             raise ValueError(f"mode must be 'histogram' or 'samples', got {mode!r}")
-        flat = np.asarray(values, dtype=np.float64).reshape(-1)
+        flat = _checks.real_array(values, "values").astype(np.float64).reshape(-1)
         if kind == _format.HISTOGRAMS:
             finite = flat[np.isfinite(flat)]
             counts, edges = np.histogram(finite, bins=bins) if finite.size else (
@@ -459,7 +460,7 @@ class SummaryWriter:
         _check_name(name)
         _checks.instance(text, "text", str, "a str")
         step = _checks.int64(step, "step")
-        data = text.encode("utf-8")
+        data = _checks.utf8(text, "text")
         if len(data) > MAX_TEXT_BYTES:
             raise ValueError(f"text must be at most {MAX_TEXT_BYTES} bytes in UTF-8, got {len(data)}")
         self._before_logging()

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from carlskit._checks import instance, integer, positive_int
+from carlskit._checks import path as check_path
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import (
     arrays_to_npz_bytes,
@@ -65,7 +66,7 @@ class CheckpointStore:
     def __init__(self, path: str | os.PathLike, *, keep: int | None = 5):
         if keep is not None:
             keep = positive_int(keep, "keep (or None)")
-        self.path = os.fspath(path)
+        self.path = os.fspath(check_path(path, "path"))
         self.keep = keep
         self._fs, self._root = filesystem(self.path)
         self._fs.makedirs(self._root, exist_ok=True)

@@ -3,7 +3,7 @@
 - a lost shard is rebuilt alone by ``recover()``: the surviving shard keeps every write; the lost
   one comes back as of the latest snapshot (losing exactly its writes after it) or, with the
   write-ahead log, with every acknowledged write;
-- a save killed half-way leaves the previous snapshot loadable and the half-written one refused;
+- a save killed half-way leaves the previous snapshot loadable and no part of its own;
 - a flipped byte in a manifest or a part is refused naming the file.
 Recovery times are recorded (``record_property``), never asserted.
 """
@@ -155,6 +155,7 @@ def test_a_save_killed_half_way_leaves_the_previous_snapshot(client, tmp_path, r
     saver.join(120)
     assert isinstance(outcome.get("error"), ShardLostError), outcome
     assert (path / "manifest.json").read_bytes() == manifest_before  # the commit never happened
+    assert {p.name for p in path.iterdir()} == parts_before  # the parts the failed save wrote are removed
     start = time.perf_counter()
     restored = KnowledgeBank.load(path, client)  # the previous snapshot, complete
     record_property("load_previous_seconds", time.perf_counter() - start)
@@ -162,14 +163,6 @@ def test_a_save_killed_half_way_leaves_the_previous_snapshot(client, tmp_path, r
     values, found = restored.lookup("emb", keys[:2000])
     assert found.all() and (values == 1.0).all()
     restored.close()
-    # the same save into a fresh directory, killed the same way, is refused as interrupted
-    half = tmp_path / "half"
-    half.mkdir()
-    for name in {p.name for p in path.iterdir()} - parts_before - {"manifest.json"}:
-        (half / name).write_bytes((path / name).read_bytes())
-    if any(half.iterdir()):
-        with pytest.raises(CorruptFileError, match="incomplete snapshot"):
-            KnowledgeBank.load(half, client)
     bank.close()
 
 

@@ -9,9 +9,9 @@ import optax
 import pytest
 
 from carlskit._errors import CorruptFileError
-from carlskit._serialization import dumps_checked_json, loads_checked_json
+from carlskit._serialization import arrays_to_npz_bytes, check_seal, dumps_checked_json, loads_checked_json, seal_zip
 from carlskit.lopt import LearnableAdam, LearnedOptimizer, MLPUpdateRule
-from carlskit.lopt._io import _leaf_record
+from carlskit.lopt._io import _leaf_record, meta_params_from_bytes
 
 
 def _small_optimizer(train_horizon=50, seed=3):
@@ -32,7 +32,7 @@ def test_save_load_roundtrip_one_file_without_pickle(tmp_path):
     entries = _entries(written)
     description = loads_checked_json(entries.pop("__carlskit__").tobytes())
     assert len(entries) == len(jax.tree.leaves(optimizer.meta_params)) == len(description["leaves"])
-    assert description["config"]["rule"]["kind"] == "mlp" and description["format_version"] == 3
+    assert description["config"]["rule"]["kind"] == "mlp" and description["format_version"] == 4
     for spelling in (tmp_path / "opt", tmp_path / "opt.npz", str(written)):
         loaded = LearnedOptimizer.load(spelling)
         assert loaded.rule == optimizer.rule and loaded.train_horizon == 50
@@ -97,11 +97,12 @@ def test_failing_write_leaves_no_temporary_file(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["taken.npz"] and not os.listdir(tmp_path / "taken.npz")
 
 
-def _rewrite(file, edit_entries=None, edit_description=None, raw_description=None, consistent=True):
+def _rewrite(file, edit_entries=None, edit_description=None, raw_description=None, consistent=True, seal=True):
     """Rewrite ``file`` with its entries and JSON description changed by the given functions.
 
     ``consistent``: as a buggy writer would, record the edited entries' checksums and checksum the
-    edited description (so the checks behind the checksums are reached); else keep the old ones."""
+    edited description (so the checks behind the checksums are reached); else keep the old ones.
+    ``seal``: seal the rewritten archive (so the checks behind the seal are reached)."""
     entries = _entries(file)
     raw = entries.pop("__carlskit__").tobytes()
     description = loads_checked_json(raw)
@@ -121,7 +122,8 @@ def _rewrite(file, edit_entries=None, edit_description=None, raw_description=Non
         text = json.dumps(document, indent=1, sort_keys=True, allow_nan=False).encode()  # the writer's layout
     if text is not False:
         entries["__carlskit__"] = np.frombuffer(text, np.uint8)
-    np.savez(file, allow_pickle=False, **entries)
+    data = arrays_to_npz_bytes(entries)
+    file.write_bytes(seal_zip(data) if seal else data)
 
 
 def _flip_a_weight_bit(file):
@@ -133,14 +135,14 @@ def _flip_a_weight_bit(file):
 
 
 def _flip_a_description_byte(file):
-    """Flip one byte of the description's JSON inside the zip (then fix zip's CRC, as a careful
-    attacker or a buggy copier would): only the JSON's own SHA-256 can notice."""
+    """Flip one byte of the description's JSON inside the zip (then fix zip's CRC and the seal, as a
+    careful attacker or a buggy copier would): only the JSON's own SHA-256 can notice."""
     entries = _entries(file)
     text = bytearray(entries["__carlskit__"].tobytes())
     at = text.index(b'"train_horizon": 50') + len(b'"train_horizon": ')
     text[at] = ord("7")  # 50 -> 70
     entries["__carlskit__"] = np.frombuffer(bytes(text), np.uint8)
-    np.savez(file, allow_pickle=False, **entries)
+    file.write_bytes(seal_zip(arrays_to_npz_bytes(entries)))
 
 
 def _npy_bytes(array):
@@ -160,7 +162,8 @@ CORRUPTIONS = {
     "truncated": (lambda f: f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2]), "BadZipFile"),
     "empty": (lambda f: f.write_bytes(b""), "empty file"),
     "garbage": (lambda f: f.write_bytes(b"not an npz at all" * 10), "not an .npz (zip) archive"),
-    "bit flip": (_flip_a_weight_bit, "CRC"),
+    "bit flip": (_flip_a_weight_bit, "SHA-256 seal"),
+    "unsealed current format": (lambda f: _rewrite(f, seal=False), "format_version 4 file without its SHA-256 seal"),
     "plain npy": (lambda f: f.write_bytes(_npy_bytes(np.zeros(3))), "not an .npz (zip) archive"),
     "truncated header": (lambda f: f.write_bytes(f.read_bytes()[:40]), "BadZipFile"),
     "no description": (lambda f: _rewrite(f, raw_description=False), "no '__carlskit__' entry"),
@@ -177,8 +180,8 @@ CORRUPTIONS = {
     "missing structure": (lambda f: _rewrite(f, edit_description=lambda d: {k: v for k, v in d.items()
                                                                            if k != "structure"}), "structure"),
     "old format_version": (lambda f: _rewrite(f, raw_description=b'{"format_version": 1}'), "format_version 1"),
-    "newer format_version": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "format_version": 4}),
-                             "format_version 4"),
+    "newer format_version": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "format_version": 5}),
+                             "format_version 5"),
     "bad structure node": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"dict": 5}}),
                            "bad structure node"),
     "leaf listed twice": (lambda f: _rewrite(f, edit_description=lambda d: {**d, "structure": {"list": [
@@ -222,6 +225,44 @@ def test_format_2_files_without_checksums_still_load_with_a_warning(tmp_path):
         loaded = LearnedOptimizer.load(file)
     for a, b in zip(jax.tree.leaves(loaded.meta_params), jax.tree.leaves(optimizer.meta_params)):
         np.testing.assert_array_equal(a, b)
+
+
+def test_format_3_files_without_a_seal_still_load_with_a_warning(tmp_path):
+    optimizer = _small_optimizer()
+    file = optimizer.save(None, tmp_path / "unsealed")
+    _rewrite(file, edit_description=lambda d: {**d, "format_version": 3}, seal=False)
+    with pytest.warns(UserWarning, match="format_version 3 has no SHA-256 seal"):
+        loaded = LearnedOptimizer.load(file)
+    for a, b in zip(jax.tree.leaves(loaded.meta_params), jax.tree.leaves(optimizer.meta_params)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_every_single_bit_flip_is_refused(tmp_path):
+    """All 8 x len(file) single-bit flips of a saved LearnableAdam raise CorruptFileError: the seal
+    covers the zip container too (format 3 let 349 of them, in local headers and the central
+    directory, load). The shipped file is sealed too."""
+    file = LearnableAdam().save(None, tmp_path / "m.npz")
+    good = file.read_bytes()
+    LearnedOptimizer.load(file)
+    refused = 0
+    for at in range(len(good)):  # in memory: the loader's code after reading the file
+        for bit in range(8):
+            data = bytearray(good)
+            data[at] ^= 1 << bit
+            with pytest.raises(CorruptFileError):
+                meta_params_from_bytes(bytes(data), file)
+            refused += 1
+    assert refused == 8 * len(good) > 8 * 2000
+    rng = np.random.default_rng(0)
+    for at, bit in zip(rng.integers(0, len(good), 64), rng.integers(0, 8, 64)):  # and through the file
+        data = bytearray(good)
+        data[at] ^= 1 << int(bit)
+        file.write_bytes(bytes(data))
+        with pytest.raises(CorruptFileError):
+            LearnedOptimizer.load(file)
+    import importlib.resources
+    shipped = (importlib.resources.files("carlskit.lopt") / "pretrained_mlp_lopt.npz").read_bytes()
+    check_seal(shipped)
 
 
 def test_pretrained_ships_and_works_with_no_meta_training():
