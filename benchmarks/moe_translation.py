@@ -65,7 +65,13 @@ def main() -> None:
             print(f"  E={run['num_experts']} seed {run['seed']} step {step + 1}: cross-entropy "
                   f"{record['cross_entropy']:.3f}", file=sys.stderr, flush=True)
 
-    result = translation_comparison((0, 8, 32), seeds=args.seeds, size=size, steps=args.steps, callback=progress)
+    def finished(run):  # every run's scores as they come, so a cut-short run still leaves its figures
+        print("RUN " + json.dumps({"num_experts": run["num_experts"], "seed": run["seed"],
+                                   "train_seconds": run["train_seconds"], "valid_loss": run["valid_loss"],
+                                   "scores": run["scores"]}), file=sys.stderr, flush=True)
+
+    result = translation_comparison((0, 8, 32), seeds=args.seeds, size=size, steps=args.steps, callback=progress,
+                                    on_run=finished)
     runs, tags, test = result["runs"], result["tags"], result["test"]
     out: dict = {"size": size, "steps": result["config"]["steps"], "seeds": args.seeds, "tags": tags,
                  "train_pairs": sum(result["train_sizes"].values()), "test_pairs": len(test),

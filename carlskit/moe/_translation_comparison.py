@@ -60,6 +60,7 @@ def translation_comparison(
     steps: int | None = None,
     beam_size: int = 1,
     callback: Callable[[dict, int, dict], None] | None = None,
+    on_run: Callable[[dict], None] | None = None,
 ) -> dict:
     """Train a dense model and MoE models (same per-token FLOPs, same batches, same steps, Adafactor)
     on X -> English for :func:`pick_languages` and English -> X for a few, and score greedy (or
@@ -70,7 +71,7 @@ def translation_comparison(
     ``train_seconds``, ``decode_seconds``, ``scores`` (per tag and
     ``"mean"``: BLEU, chrF), ``valid_loss`` (cross-entropy per target byte on 16 validation pairs per
     tag), ``hypotheses``, ``model``. ``callback(run, step, record)`` sees every
-    training step (``run`` holds ``num_experts`` and ``seed``).
+    training step (``run`` holds ``num_experts`` and ``seed``), ``on_run(run)`` every finished run.
     """
     from carlskit.data import load_translation_corpus
 
@@ -119,6 +120,8 @@ def translation_comparison(
                 hypotheses=hypotheses, model=model,
             )
             result["runs"].append(run)
+            if on_run is not None:
+                on_run(run)
     result["test"] = test
     return result
 
