@@ -28,8 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from carlskit.moe import translation_scores  # noqa: E402
-from carlskit.moe._translation_comparison import translation_comparison  # noqa: E402
+from carlskit.moe import translation_comparison, translation_scores  # noqa: E402
 
 NAMES = {0: "dense", 8: "moe_8", 32: "moe_32"}
 
