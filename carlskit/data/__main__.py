@@ -3,6 +3,8 @@
     python -m carlskit.data fetch planetoid pubmed --unpinned   # download, verify, convert
     python -m carlskit.data fetch planetoid cora citeseer       # (shipped already; refetch them)
     python -m carlskit.data convert planetoid cora --raw DIR    # convert files you already have
+    python -m carlskit.data build translation /tmp/django-5.2.19-py3-none-any.whl
+                                                                # .po catalogs -> data/translation/django.json.gz
     python -m carlskit.data where                               # the folders searched, in order
     python -m carlskit.data synthetic OUT.npz --homophily 0.8 --feature-signal 0.3 --seed 0
                                                                 # a stochastic-block-model graph
@@ -23,7 +25,7 @@ _KNOWN = ("cora", "citeseer", "pubmed")
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m carlskit.data", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,convert,where,synthetic}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{fetch,convert,build,where,synthetic}")
     fetch = commands.add_parser("fetch", help="download a data set's original files, verify and convert them",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     fetch.add_argument("family", choices=["planetoid"], help="data set family")
@@ -42,6 +44,18 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("name", help="the NAME in ind.NAME.* (any graph in the Planetoid format)")
     convert.add_argument("--raw", required=True, help="folder holding ind.NAME.{x,y,tx,ty,allx,ally,graph,test.index}")
     convert.add_argument("--output", default=None, help="the .npz to write (default: DATA/planetoid/NAME.npz)")
+    build = commands.add_parser("build", help="build a corpus from files you have (translation: .po catalogs)",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    build.add_argument("family", choices=["translation"], help="corpus family")
+    build.add_argument("sources", nargs="+", help="folders, .po files, wheels/zips or installed package names "
+                                                  "holding gettext catalogs (LANG/LC_MESSAGES/*.po)")
+    build.add_argument("--output", default=None, help="the file to write (default: DATA/translation/django.json.gz)")
+    build.add_argument("--valid-fraction", type=float, default=0.1, help="share of English sentences held out "
+                                                                          "for validation")
+    build.add_argument("--test-fraction", type=float, default=0.1, help="share of English sentences held out "
+                                                                        "for test")
+    build.add_argument("--min-pairs", type=int, default=1, help="drop languages with fewer pairs")
+    build.add_argument("--seed", type=int, default=0, help="seed of the split")
     commands.add_parser("where", help="print the folders searched for data sets, first match wins")
     synthetic = commands.add_parser("synthetic", help="write a Planetoid-format graph drawn from a stochastic block "
                                                       "model (carlskit.data.synthetic_planetoid)",
@@ -81,6 +95,16 @@ def main(argv: list[str] | None = None) -> int:
                                        num_val=args.val, num_test=args.test, seed=args.seed)
             print(f"{data}, edge homophily {edge_homophily(data):.3f}", file=sys.stderr)
             print(save_planetoid(data, args.output))
+            return 0
+        if args.command == "build":
+            from carlskit.data._translation import build_translation_corpus
+
+            output = args.output or data_dir() / "translation" / "django.json.gz"
+            corpus = build_translation_corpus(args.sources, output, valid_fraction=args.valid_fraction,
+                                              test_fraction=args.test_fraction, min_pairs=args.min_pairs,
+                                              seed=args.seed)
+            print(f"{corpus}", file=sys.stderr)
+            print(output)
             return 0
         if args.command == "convert":
             output = args.output or data_dir() / "planetoid" / f"{args.name}.npz"

@@ -30,17 +30,21 @@ from carlskit.moe._layers import CausalSelfAttention, FeedForward, MoEFeedForwar
 from carlskit.moe._model import MoEModel
 from carlskit.moe._sharding import auto_axes, make_mesh, replicate, shard, split
 from carlskit.moe._text_lm import TEXT_LM_SIZES, text_lm_comparison
+from carlskit.moe._translation import TranslationModel, length_penalty, translation_scores
+from carlskit.moe._translation_comparison import TRANSLATION_SIZES, translation_comparison
 
 __all__ = [
     "BYTE_VOCAB_SIZE",
     "PAD_ID",
     "TEXT_LM_SIZES",
+    "TRANSLATION_SIZES",
     "CausalSelfAttention",
     "FeedForward",
     "MoEFeedForward",
     "MoEModel",
     "Routing",
     "TransformerBlock",
+    "TranslationModel",
     "auto_axes",
     "combine",
     "combine_einsum",
@@ -50,6 +54,7 @@ __all__ = [
     "dispatch_gather",
     "expert_capacity",
     "expert_choice_gating",
+    "length_penalty",
     "load_balancing_loss",
     "make_mesh",
     "replicate",
@@ -63,4 +68,6 @@ __all__ = [
     "top1_gating",
     "top2_gating",
     "toy_multilingual_corpus",
+    "translation_comparison",
+    "translation_scores",
 ]

@@ -84,7 +84,8 @@ class MoEFeedForward(nnx.Module):
     buffers and the expert FFNs; parameters keep their own dtype and are cast on use. Call with
     ``paddings`` [B, L] (1 = padding) to route padded tokens nowhere (their output is 0), and with
     ``importance`` [B, L] (praxis: a token takes a first choice only at importance 1 and a second
-    only above 0, so importance 0 routes it nowhere; ignored by expert choice).
+    only above 0, so importance 0 routes it nowhere; ignored by expert choice), and with ``capacity``
+    to override C for one call (C = S: no token dropped, as decoding needs).
 
     Returns ``(y [B, L, M], routing)``; ``routing.aux_loss`` and ``routing.metrics`` carry the
     balancing loss and drop statistics.
@@ -155,7 +156,7 @@ class MoEFeedForward(nnx.Module):
 
     def __call__(
         self, x: jax.Array, *, rng: jax.Array | None = None, paddings: jax.Array | None = None,
-        importance: jax.Array | None = None,
+        importance: jax.Array | None = None, capacity: int | None = None,
     ) -> tuple[jax.Array, Routing]:
         d_model_expected = self.router_weights.shape[0]
         if getattr(x, "ndim", None) != 3 or x.shape[-1] != d_model_expected:
@@ -185,7 +186,9 @@ class MoEFeedForward(nnx.Module):
             rng = jax.random.key(0) if rng is None else rng
             shape = tokens.shape[:2] + ((self.num_experts,) if self.second_expert_policy == "sampling" else ())
             uniform = split(jax.random.uniform(rng, shape), 0, BATCH_AXES, mesh=self.mesh)
-        capacity = self.capacity(group_size)
+        # ``capacity`` overrides C for this call: C = S drops nothing (a token's choices are distinct
+        # experts), which decoding uses so that a token's output does not depend on its group.
+        capacity = self.capacity(group_size) if capacity is None else positive_int(capacity, "capacity")
         weights = (self.router_weights[...], self.expert_wi[...], self.expert_wo[...])
         local = functools.partial(self._local, capacity=capacity, fprop_dtype=fprop_dtype)
         if self.mesh is None or self.mesh.size == 1:

@@ -24,6 +24,29 @@ from carlskit.moe._sharding import DATA_AXIS, EXPERT_AXIS, auto_axes, split
 EXPERT_PARAMS = ("expert_wi", "expert_wo")
 
 
+def feed_forward_for_layer(layer: int, num_layers: int, d_model: int, ffn_dim: int, num_experts: int,
+                           moe_options: dict, mesh: Mesh | None, rngs: nnx.Rngs) -> nnx.Module:
+    """Layer ``layer``'s FFN in a GShard stack: MoE at odd layers (or the only layer), dense elsewhere;
+    with ``num_experts=0`` the MoE slots are dense FFNs of ``k * ffn_dim`` (the same per-token FLOPs)."""
+    if layer % 2 == 0 and num_layers > 1:
+        return FeedForward(d_model, ffn_dim, rngs=rngs)
+    if num_experts == 0:
+        return FeedForward(d_model, experts_per_token(moe_options["router"]) * ffn_dim, rngs=rngs)
+    return MoEFeedForward(d_model, ffn_dim, num_experts, **moe_options, mesh=mesh, rngs=rngs)
+
+
+def place_parameters(module: nnx.Module, mesh: Mesh) -> None:
+    """Expert weights of ``module`` split over the mesh's "expert" axis (dim 0), everything else replicated."""
+    state = nnx.state(module)
+
+    def place(path: tuple[Any, ...], value: jax.Array) -> jax.Array:
+        is_expert = any(str(getattr(p, "key", p)) in EXPERT_PARAMS for p in path)
+        spec = PartitionSpec(EXPERT_AXIS) if is_expert else PartitionSpec()
+        return jax.device_put(value, NamedSharding(mesh, spec))
+
+    nnx.update(module, jax.tree_util.tree_map_with_path(place, state))
+
+
 class MoEModel(nnx.Module):
     """Decoder-only MoE Transformer LM: every other FFN is an MoE layer (GShard 2.1, Fig. 3).
 
@@ -116,25 +139,12 @@ class MoEModel(nnx.Module):
 
     def _feed_forward(self, layer: int, num_layers: int, d_model: int, ffn_dim: int, moe_options: dict,
                       rngs: nnx.Rngs) -> nnx.Module:
-        """Layer ``layer``'s FFN: MoE at odd layers (or the only layer), dense elsewhere; with
-        ``num_experts=0`` the MoE slots are dense FFNs of ``k * ffn_dim`` (the same per-token FLOPs)."""
-        if layer % 2 == 0 and num_layers > 1:
-            return FeedForward(d_model, ffn_dim, rngs=rngs)
-        if self.num_experts == 0:
-            return FeedForward(d_model, experts_per_token(moe_options["router"]) * ffn_dim, rngs=rngs)
-        return MoEFeedForward(d_model, ffn_dim, self.num_experts, **moe_options, mesh=self.mesh, rngs=rngs)
+        return feed_forward_for_layer(layer, num_layers, d_model, ffn_dim, self.num_experts, moe_options,
+                                      self.mesh, rngs)
 
     # ----------------------------------------------------------------------------- placement
     def _place_parameters(self) -> None:
-        """Expert weights split over "expert" (dim 0), everything else replicated."""
-        state = nnx.state(self)
-
-        def place(path: tuple[Any, ...], value: jax.Array) -> jax.Array:
-            is_expert = any(str(getattr(p, "key", p)) in EXPERT_PARAMS for p in path)
-            spec = PartitionSpec(EXPERT_AXIS) if is_expert else PartitionSpec()
-            return jax.device_put(value, NamedSharding(self.mesh, spec))
-
-        nnx.update(self, jax.tree_util.tree_map_with_path(place, state))
+        place_parameters(self, self.mesh)
 
     def shard_batch(self, tokens: Any) -> jax.Array:
         """Checked int32 tokens [B, L], split over all devices of the mesh (if any)."""
