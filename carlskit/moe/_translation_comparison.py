@@ -16,6 +16,8 @@ from carlskit.moe._translation import TranslationModel, translation_scores
 # "small" keeps the notebook's headless run (CARLSKIT_SMALL=1) near a minute on a shared CPU: far
 # too short to translate, it only exercises the code. "full" is the benchmark's size (about 0.3 s a
 # step at batch 64 on 2 loaded CPU cores).
+#: The problem sizes of the translation comparison (``small`` for tests and notebook 10's headless
+#: run, ``full`` for ``benchmarks/moe_translation.py``): model widths, steps, batch, languages.
 TRANSLATION_SIZES: dict[str, dict[str, Any]] = {
     "small": dict(languages=4, from_english=("fr",), d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
                   max_length=24, batch_size=32, steps=40, test_per_language=8),
