@@ -25,6 +25,7 @@ _EXPORTS = {
     "LabelMaker": "carlskit.makers",
     "AgreementMaker": "carlskit.makers",
     "MoEModel": "carlskit.moe",
+    "TranslationModel": "carlskit.moe",
     "LearnedOptimizer": "carlskit.lopt",
     "MetaTraining": "carlskit.lopt",
     "SummaryWriter": "carlskit.summaries",
@@ -46,7 +47,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit.cluster import RestartPolicy, connect, devices
     from carlskit.lopt import LearnedOptimizer, MetaTraining
     from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker, NeighborMaker
-    from carlskit.moe import MoEModel
+    from carlskit.moe import MoEModel, TranslationModel
     from carlskit.summaries import SummaryReader, SummaryWriter
     from carlskit.training import BankNegatives, CheckpointStore, Trainer
 

@@ -19,8 +19,8 @@ from carlskit.moe._translation import TranslationModel, translation_scores
 #: The problem sizes of the translation comparison (``small`` for tests and notebook 10's headless
 #: run, ``full`` for ``benchmarks/moe_translation.py``): model widths, steps, batch, languages.
 TRANSLATION_SIZES: dict[str, dict[str, Any]] = {
-    "small": dict(languages=4, from_english=("fr",), d_model=32, num_heads=2, ffn_dim=64, num_layers=2,
-                  max_length=24, batch_size=32, steps=40, test_per_language=8),
+    "small": dict(languages=4, from_english=("fr",), d_model=32, num_heads=2, ffn_dim=64, num_layers=1,
+                  max_length=24, batch_size=32, steps=30, test_per_language=8),
     "full": dict(languages=12, from_english=("fr", "de"), d_model=64, num_heads=4, ffn_dim=128, num_layers=2,
                  max_length=40, batch_size=64, steps=600, test_per_language=40),
 }
