@@ -121,6 +121,13 @@ def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
                                  f"{' '.join(map(str, config['negatives']))})")
         parser.add_argument("--steps", type=_count(1), default=None,
                             help=f"training steps of each run (default: {config['steps']})")
+    elif paradigm == "node_embeddings":
+        config = config_defaults(paradigm, "NodeEmbeddingConfig")
+        _data_option(parser, digits=False)
+        parser.add_argument("--epochs", type=float, default=None,
+                            help=f"passes over each trainer's skip-gram pairs (default: {config['epochs']})")
+        parser.add_argument("--trainers", type=_count(1), default=1,
+                            help="trainers sharing the bank tables, each on its own Dask worker (needs --workers)")
     else:
         raise ValueError(f"paradigm: unknown {paradigm!r}")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, batches and sampling")

@@ -6,8 +6,9 @@ Three parts, one per place the work happens:
 - :class:`BankEmbeddings` is a knowledge stage of the trainer's input pipeline: for each batch it
   dedupes the ids of the fields that read each table, looks their rows up in the bank in one
   batched call per table (missing keys created by the table's initializer, ``insert_missing``), and
-  adds ``bank_rows/<table>`` [U, dim] float32 (U = the number of ids of the batch that read the
-  table, so the step compiles once; rows past the distinct ids are zeros) and ``bank_index/<field>``
+  adds ``bank_rows/<table>`` [U, dim] float32 (U: the distinct ids' count rounded up to a power of
+  two, at most the batch's ids, so the step compiles a few times at most; rows past the distinct
+  ids are zeros and their gradients are not sent) and ``bank_index/<field>``
   (each id's row, the field's shape). It runs in the prefetch thread, ahead of the step.
 - :class:`BankEmbedding` is the model's module: it holds the name of the table it reads and its
   dim, and gathers ``bank_rows/<table>[bank_index/<field>]`` inside the jitted step.
@@ -41,6 +42,13 @@ from carlskit.training._pipeline import Batch
 INDEX = "bank_index/"
 _KEYS = "_bank_keys/"  # host-side: the distinct ids of each table's rows (not sent to the step)
 _WAIT_SECONDS = 0.05
+
+
+def padded_rows(distinct: int, total: int) -> int:
+    """Rows sent to the step for ``distinct`` ids among ``total``: the next power of two (at least
+    8), at most ``total``, so the step compiles a handful of times whatever the batch's repeats,
+    and a batch of a few hot ids moves few rows."""
+    return min(total, max(8, 1 << max(distinct - 1, 0).bit_length()))
 
 
 def rows_name(table: str) -> str:
@@ -189,7 +197,7 @@ class BankEmbeddings:
             flat = np.concatenate([i.ravel() for i in ids[table]])
             unique, inverse = np.unique(flat, return_inverse=True)
             values, _ = self.bank.lookup(table, unique, insert_missing=True)
-            rows = np.zeros((len(flat), self.dims[table]), np.float32)  # U = ids in the batch: one compile
+            rows = np.zeros((padded_rows(len(unique), len(flat)), self.dims[table]), np.float32)
             rows[: len(unique)] = values
             out[rows_name(table)] = rows
             out[_KEYS + table] = unique

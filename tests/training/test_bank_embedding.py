@@ -142,7 +142,7 @@ def test_row_gradients_are_summed_per_distinct_id():
     bank, stage = _bank_and_stage()
     batch = stage({"ids": np.array([5, 5, 7, 5], np.int64), "y": np.zeros(4, np.float32)})
     rows = batch["bank_rows/items"]
-    assert rows.shape == (4, DIM) and not rows[2:].any()  # U padded to the batch's 4 ids
+    assert rows.shape == (4, DIM) and not rows[2:].any()  # 2 distinct ids padded to min(8, the batch's 4 ids)
     np.testing.assert_array_equal(batch["bank_index/ids"], [0, 0, 1, 0])
 
     def loss(rows):
