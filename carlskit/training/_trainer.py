@@ -177,7 +177,8 @@ class Trainer:
             nnx.update((self.model, self.optimizer), self._state)
 
     def checkpoint_tree(self) -> dict:
-        return {"model": self._state[0], "optimizer": self._state[1]}
+        # a model without variables (e.g. every table in the bank) has no entry 0 in the split state
+        return {"model": self._state.get(0, nnx.State({})), "optimizer": self._state[1]}
 
     def save_checkpoint(self) -> int | None:
         """Publish the current state as version ``step`` (no-op without a store or if published).
