@@ -36,6 +36,7 @@ from flax import nnx
 
 from carlskit._checks import integer
 from carlskit._step import BANK_ROWS as ROWS
+from carlskit.bank import ShardLostError
 from carlskit.training._knowledge import table_config
 from carlskit.training._pipeline import Batch
 
@@ -136,6 +137,7 @@ class BankEmbeddings:
         self.max_staleness = integer(max_staleness, "max_staleness", minimum=0)
         self.knowledge = knowledge
         self.dims = {table: bank.tables[table]["dim"] for table in clean}
+        self.resent_gradients = 0  # re-sent after a lost shard (module docstring of _send_again)
         self._init_sync()
 
     def _init_sync(self) -> None:
@@ -144,10 +146,11 @@ class BankEmbeddings:
         self._pushed = 0  # steps whose gradients the bank acknowledged since begin()
         self._in_flight: collections.deque = collections.deque()
         self._closed = False
+        self._resend: list[tuple[str, np.ndarray, np.ndarray]] = []  # gradients a lost shard never acknowledged
 
     def __getstate__(self) -> dict:  # travels to a worker with Trainer.fit(client=...)
         state = dict(self.__dict__)
-        for name in ("_cond", "_in_flight", "_looked_up", "_pushed", "_closed"):
+        for name in ("_cond", "_in_flight", "_looked_up", "_pushed", "_closed", "_resend"):
             state.pop(name)
         return state
 
@@ -191,6 +194,7 @@ class BankEmbeddings:
         if not isinstance(batch, dict):
             raise TypeError(f"each batch must be a dict of arrays, got {type(batch).__name__}")
         ids = {table: [self._ids(batch, table, field) for field in fields] for table, fields in self.tables.items()}
+        self._send_again()
         self._wait_for_gradients()
         out = dict(batch)
         for table, fields in self.tables.items():
@@ -218,11 +222,33 @@ class BankEmbeddings:
             self._looked_up += 1
 
     def _settle(self, block: bool) -> None:
-        """Count the pushes the bank acknowledged (their errors raise here); caller holds the lock."""
-        while self._in_flight and (block or all(f.done() for f in self._in_flight[0])):
-            for future in self._in_flight.popleft():
-                future.result()
+        """Count the pushes the bank acknowledged; caller holds the lock. A push that met a lost
+        shard counts as done, its unacknowledged gradients are kept for :meth:`_send_again`, and the
+        ShardLostError is raised (``Trainer.fit`` then runs ``bank.recover()`` and calls the stage
+        again, which re-sends them first)."""
+        lost = None
+        while self._in_flight and (block or all(f.done() for _, _, _, f in self._in_flight[0])):
+            for table, keys, gradients, future in self._in_flight.popleft():
+                try:
+                    future.result()
+                except ShardLostError as error:
+                    unapplied = keys if error.unapplied_keys is None else error.unapplied_keys
+                    mask = np.isin(keys, unapplied)
+                    self._resend.append((table, keys[mask], gradients[mask]))
+                    lost = lost or error
             self._pushed += 1
+        if lost is not None:
+            raise lost
+
+    def _send_again(self) -> None:
+        """Re-send the gradients a lost shard never acknowledged (after ``recover()``); a shard whose
+        write-ahead log recorded one before dying then applies it twice (counted in
+        ``resent_gradients``, which bounds it)."""
+        while self._resend:
+            table, keys, gradients = self._resend[0]
+            self.bank.apply_gradients(table, keys, gradients)
+            self._resend.pop(0)
+            self.resent_gradients += len(keys)
 
     # -- the trainer's side ------------------------------------------------------------------------
     def begin(self) -> None:
@@ -243,12 +269,19 @@ class BankEmbeddings:
     def push(self, batch: Batch, gradients: dict[str, np.ndarray]) -> None:
         """Send the row gradients of a step (``{rows_name(table): [U, dim]}``) to the bank without
         waiting; only the rows of distinct ids are sent."""
-        futures = []
+        group = []
         for table in self.tables:
             keys = batch[_KEYS + table]
-            futures.append(self.bank.apply_gradients_async(table, keys, gradients[rows_name(table)][: len(keys)]))
+            rows = np.asarray(gradients[rows_name(table)][: len(keys)])
+            try:
+                future = self.bank.apply_gradients_async(table, keys, rows)
+            except ShardLostError:  # not sent: re-sent by the next lookup, after recovery
+                with self._cond:
+                    self._resend.append((table, keys, rows))
+                continue
+            group.append((table, keys, rows, future))
         with self._cond:
-            self._in_flight.append(futures)
+            self._in_flight.append(group)
             self._cond.notify_all()
 
     def flush(self) -> None:
