@@ -44,7 +44,7 @@ import optax
 from flax import nnx
 
 from carlskit.bank import KnowledgeBank
-from carlskit.data import Dataset, load_planetoid
+from carlskit.data import Dataset, load_planetoid, synthetic_planetoid
 from carlskit.paradigms._cli import parse_arguments, run_and_print, say
 from carlskit.training import BankEmbedding, BankEmbeddings, Trainer
 
@@ -264,21 +264,26 @@ def train(data: Dataset, config: NodeEmbeddingConfig, *, seed: int = 0, client: 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_arguments("node_embeddings", argv)
-    data = load_planetoid(args.data)
+    if args.synthetic_nodes:  # node features are not used: one word per node keeps the graph small
+        data = synthetic_planetoid(num_nodes=args.synthetic_nodes, num_classes=6, homophily=0.8, mean_degree=8.0,
+                                   num_features=12, words_per_node=1, seed=args.seed)
+    else:
+        data = load_planetoid(args.data)
     say(f"node_embeddings: {data}", args.quiet)
     config = NodeEmbeddingConfig()
-    if args.epochs is not None:
-        config = replace(config, epochs=args.epochs)
+    options = {"epochs": args.epochs, "walks_per_node": args.walks_per_node, "walk_length": args.walk_length}
+    config = replace(config, **{k: v for k, v in options.items() if v is not None})
     if args.trainers > 1 and args.workers < args.trainers:
         raise SystemExit(f"--trainers {args.trainers} needs --workers >= {args.trainers}")
 
     def run(client, num_shards):
         result = train(data, config, seed=args.seed, client=client, num_shards=num_shards, trainers=args.trainers,
-                       progress=not args.quiet and data.name)
+                       steps=args.steps, progress=not args.quiet and data.name)
         published = PUBLISHED_DEEPWALK.get(data.name.lower())
         return {"data": data.name, "test_acc": result["test_acc"], "val_acc": result["val_acc"],
                 "published_deepwalk_test_acc": published, "seed": args.seed, "trainers": args.trainers,
                 "steps": result["steps"], "samples": result["samples"], "seconds": result["seconds"],
+                "train_seconds": result["train_seconds"], "nodes": data.num_items, "rows": result["rows"],
                 "final_pair_loss": float(np.mean([np.mean(loss[-20:]) for loss in result["losses"]])),
                 "config": asdict(config)}
 
