@@ -364,13 +364,15 @@ class Trainer:
                 if plot is not None:
                     plot.update(self._series())
         finally:
-            if self.embeddings is not None:
-                self.embeddings.end()  # wakes a lookup waiting for gradients; every push acknowledged
-            prefetcher.close()
-            bar.close()
-            self.sync()
-            if plot is not None:
-                plot.update(self._series(), force=True)
+            try:
+                if self.embeddings is not None:
+                    self.embeddings.end()  # wakes a lookup waiting for gradients; every push acknowledged
+            finally:
+                prefetcher.close()
+                bar.close()
+                self.sync()
+                if plot is not None:
+                    plot.update(self._series(), force=True)
 
     def _next_batch(self, prefetcher: Prefetcher) -> Batch | None:
         """The next batch, None when the data ends; a lost bank shard that could not be rebuilt
