@@ -60,6 +60,8 @@ def test_bank_table_trained_like_nnx_embed_with_optax(table_optimizer):
     bank.create_table("items", DIM, optimizer=table_optimizer, learning_rate=LR, max_pending=1)
     stage = BankEmbeddings(bank, {"items": ["ids"]}, max_staleness=0)
     initial, _ = bank.lookup("items", np.arange(NUM_IDS))  # the initializer's values, no row created
+    # Adagrad: the bank's accumulator starts at initial_accumulator_value (0.1) and adds epsilon (1e-7)
+    # inside the square root, as optax.adagrad's defaults do (written out here): no intended difference.
     tx = optax.sgd(LR) if table_optimizer == "sgd" else optax.adagrad(LR, initial_accumulator_value=0.1, eps=1e-7)
     trainer = Trainer(BankModel(), tx, loss_fn, knowledge=stage, prefetch=2)
     history = trainer.fit(data, STEPS, progress=False, live=False)
