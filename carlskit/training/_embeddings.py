@@ -209,6 +209,8 @@ class BankEmbeddings:
             for field, field_ids in zip(fields, ids[table]):
                 out[index_name(field)] = inverse[start:start + field_ids.size].reshape(field_ids.shape).astype(np.int32)
                 start += field_ids.size
+        with self._cond:  # counted once its lookups succeeded: a call retried after recover() counts once
+            self._looked_up += 1
         return out
 
     def _wait_for_gradients(self) -> None:
@@ -219,7 +221,6 @@ class BankEmbeddings:
                 self._settle(block=False)
                 if self._pushed < needed:
                     self._cond.wait(_WAIT_SECONDS)
-            self._looked_up += 1
 
     def _settle(self, block: bool) -> None:
         """Count the pushes the bank acknowledged; caller holds the lock. A push that met a lost
