@@ -214,32 +214,48 @@ class BankEmbeddings:
         return out
 
     def _wait_for_gradients(self) -> None:
-        """Block until the gradients of steps before ``looked_up - max_staleness`` are acknowledged."""
-        with self._cond:
-            needed = self._looked_up - self.max_staleness
-            while self._pushed < needed and not self._closed:
-                self._settle(block=False)
-                if self._pushed < needed:
+        """Block until the gradients of steps before ``looked_up - max_staleness`` are acknowledged:
+        the oldest pushes in flight are awaited here (``result()``; a call to a lost shard may only
+        report its loss when awaited), outside the lock so the trainer can push meanwhile."""
+        while True:
+            with self._cond:
+                if self._pushed >= self._looked_up - self.max_staleness or self._closed:
+                    return
+                if not self._in_flight:  # the step that pushes them has not finished yet
                     self._cond.wait(_WAIT_SECONDS)
+                    continue
+                group = self._in_flight.popleft()
+            self._settle_group(group)
 
-    def _settle(self, block: bool) -> None:
-        """Count the pushes the bank acknowledged; caller holds the lock. A push that met a lost
-        shard counts as done, its unacknowledged gradients are kept for :meth:`_send_again`, and the
-        ShardLostError is raised (``Trainer.fit`` then runs ``bank.recover()`` and calls the stage
-        again, which re-sends them first)."""
+    def _settle_group(self, group: list) -> None:
+        """Await one step's pushes and count it. A push that met a lost shard counts as done, its
+        unacknowledged gradients are kept for :meth:`_send_again`, and the ShardLostError is raised
+        (``Trainer.fit`` then runs ``bank.recover()`` and calls the stage again, which re-sends them
+        first)."""
         lost = None
-        while self._in_flight and (block or all(f.done() for _, _, _, f in self._in_flight[0])):
-            for table, keys, gradients, future in self._in_flight.popleft():
-                try:
-                    future.result()
-                except ShardLostError as error:
-                    unapplied = keys if error.unapplied_keys is None else error.unapplied_keys
-                    mask = np.isin(keys, unapplied)
+        for table, keys, gradients, future in group:
+            try:
+                future.result()
+            except ShardLostError as error:
+                unapplied = keys if error.unapplied_keys is None else error.unapplied_keys
+                mask = np.isin(keys, unapplied)
+                with self._cond:
                     self._resend.append((table, keys[mask], gradients[mask]))
-                    lost = lost or error
+                lost = lost or error
+        with self._cond:
             self._pushed += 1
+            self._cond.notify_all()
         if lost is not None:
             raise lost
+
+    def _settle(self) -> None:
+        """Await every push in flight (errors as :meth:`_settle_group`)."""
+        while True:
+            with self._cond:
+                if not self._in_flight:
+                    return
+                group = self._in_flight.popleft()
+            self._settle_group(group)
 
     def _send_again(self) -> None:
         """Re-send the gradients a lost shard never acknowledged (after ``recover()``); a shard whose
@@ -254,8 +270,8 @@ class BankEmbeddings:
     # -- the trainer's side ------------------------------------------------------------------------
     def begin(self) -> None:
         """Start counting steps afresh (``Trainer.fit`` calls it before its prefetcher starts)."""
+        self._settle()
         with self._cond:
-            self._settle(block=True)
             self._looked_up = self._pushed = 0
             self._closed = False
 
@@ -264,8 +280,7 @@ class BankEmbeddings:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        with self._cond:
-            self._settle(block=True)
+        self._settle()
 
     def push(self, batch: Batch, gradients: dict[str, np.ndarray]) -> None:
         """Send the row gradients of a step (``{rows_name(table): [U, dim]}``) to the bank without
@@ -287,7 +302,6 @@ class BankEmbeddings:
 
     def flush(self) -> None:
         """Wait for every push, then apply the bank's cached gradients of these tables."""
-        with self._cond:
-            self._settle(block=True)
+        self._settle()
         for table in self.tables:
             self.bank.flush(table)
