@@ -65,7 +65,10 @@ def test_no_acknowledged_gradient_is_lost_when_a_table_shard_dies(client, tmp_pa
 
     history = trainer.fit(data, STEPS, progress=False, live=False)
     assert len(history) == STEPS and trainer.step == STEPS
-    assert [r["shards"] for r in trainer.bank_recoveries] == [[1]]
+    # shard 1 rebuilt once; a push sent to it before the rebuild may report the loss afterwards, and
+    # its recover() then finds nothing to rebuild (its gradients are re-sent all the same)
+    recovered = [r["shards"] for r in trainer.bank_recoveries]
+    assert recovered[0] == [1] and all(shards == [] for shards in recovered[1:]), recovered
     expected = np.zeros((KEYS.max() + 1, DIM))
     for step in range(STEPS):
         batch = batch_at(step)
@@ -74,6 +77,6 @@ def test_no_acknowledged_gradient_is_lost_when_a_table_shard_dies(client, tmp_pa
     np.testing.assert_allclose(values, expected[KEYS], atol=1e-4)
     record_property("recovery_seconds", trainer.bank_recoveries[0]["seconds"])
     record_property("resent_gradients", stage.resent_gradients)
-    print(f"\nrecovered shard 1 in {trainer.bank_recoveries[0]['seconds']:.2f} s, "
+    print(f"\nrecoveries {recovered}: shard 1 in {trainer.bank_recoveries[0]['seconds']:.2f} s, "
           f"re-sent {stage.resent_gradients} gradients")
     bank.close()
