@@ -19,6 +19,8 @@ _EXPORTS = {
     "CheckpointStore": "carlskit.training",
     "Trainer": "carlskit.training",
     "BankNegatives": "carlskit.training",
+    "BankEmbedding": "carlskit.training",
+    "BankEmbeddings": "carlskit.training",
     "Maker": "carlskit.makers",
     "EmbeddingMaker": "carlskit.makers",
     "NeighborMaker": "carlskit.makers",
@@ -49,7 +51,7 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker, NeighborMaker
     from carlskit.moe import MoEModel, TranslationModel
     from carlskit.summaries import SummaryReader, SummaryWriter
-    from carlskit.training import BankNegatives, CheckpointStore, Trainer
+    from carlskit.training import BankEmbedding, BankEmbeddings, BankNegatives, CheckpointStore, Trainer
 
 
 def __getattr__(name: str) -> Any:

@@ -13,11 +13,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+#: batch entries holding bank embedding rows (``carlskit.training._embeddings``), differentiated too
+BANK_ROWS = "bank_rows/"
+
 StepFn = Callable[[nnx.State, Any], tuple[nnx.State, jax.Array, dict, jax.Array]]
 
 
 def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable[[nnx.Module, Any], tuple[jax.Array, dict]], *,
-                    check_finite: bool = True) -> StepFn:
+                    check_finite: bool = True, bank_rows: bool = False) -> StepFn:
     """``train_step(state, batch) -> (new_state, loss, metrics, finite)`` for the state of
     ``nnx.split((model, nnx.Optimizer(model, tx, wrt=nnx.Param)))`` (``graphdef`` from that split).
 
@@ -27,14 +30,32 @@ def make_train_step(graphdef: nnx.GraphDef, loss_fn: Callable[[nnx.Module, Any],
     finite: a finite loss can still come with non-finite gradients (e.g. sqrt at 0). With
     ``check_finite=False`` that reduction is skipped and ``finite`` is a constant True. Pure: the
     caller jits it (with whatever shardings its state and batch carry).
+
+    With ``bank_rows=True`` the loss is differentiated with respect to the batch's
+    ``bank_rows/<table>`` inputs too (rows of bank embedding tables, one per distinct id:
+    :mod:`carlskit.training._embeddings`), and the step returns a fifth output, their gradients
+    ``{name: [U, dim]}`` (each row's, summed over every use of its id); the bank applies them.
     """
 
     def train_step(state: nnx.State, batch: Any):
         model, optimizer = nnx.merge(graphdef, state)
-        (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
+        if bank_rows:
+            rows = {k: v for k, v in batch.items() if k.startswith(BANK_ROWS)}
+            rest = {k: v for k, v in batch.items() if not k.startswith(BANK_ROWS)}
+
+            def loss_of_rows(model, rows):
+                return loss_fn(model, {**rest, **rows})
+
+            (loss, metrics), (grads, row_grads) = nnx.value_and_grad(
+                loss_of_rows, argnums=(0, 1), has_aux=True)(model, rows)
+        else:
+            (loss, metrics), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model, batch)
         optimizer.update(model, grads)
         new_state = nnx.state((model, optimizer))
-        finite = all_finite(new_state) if check_finite else jnp.asarray(True)
+        finite = all_finite((new_state, row_grads) if bank_rows else new_state) if check_finite \
+            else jnp.asarray(True)
+        if bank_rows:
+            return new_state, loss, metrics, finite, row_grads
         return new_state, loss, metrics, finite
 
     return train_step

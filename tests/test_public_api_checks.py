@@ -148,6 +148,9 @@ CASES = {
     "CheckpointStore.save metadata": (lambda api: api.store.save({"w": np.zeros(1)}, version=1, metadata=[1]), T,
                                       "metadata"),
     "Prefetcher depth": (lambda api: training.Prefetcher(never, None, 0), V, "depth"),
+    "BankEmbedding table": (lambda api: training.BankEmbedding(3, 8), T, "table"),
+    "BankEmbedding dim": (lambda api: training.BankEmbedding("t", 0), V, "dim"),
+    "BankEmbeddings tables": (lambda api: training.BankEmbeddings(api.local_bank, []), V, "tables"),
     # -- carlskit.moe
     "MoEModel vocab_size type": (lambda api: moe.MoEModel("8", 1, 8, 2, 2), T, "vocab_size"),
     "MoEModel vocab_size value": (lambda api: moe.MoEModel(0, 1, 8, 2, 2), V, "vocab_size"),

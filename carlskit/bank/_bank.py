@@ -290,6 +290,12 @@ class KnowledgeBank:
           index: ``flat`` (exact only) or ``hnsw`` (approximate search for ``index_metric``, with
             ``hnsw_m`` and ``hnsw_ef_search``, kept current incrementally; exact search stays
             available with ``exact=True``).
+          min_count: a ``lookup(insert_missing=True)`` creates a key's row only from its
+            ``min_count``-th such call on; before, it reads the initializer's value, has no row and
+            its gradients are dropped (admission).
+          max_idle_seconds, max_rows_per_shard: evict rows not accessed for that long, and the least
+            recently accessed beyond that many rows per shard (down to 90% of it); see
+            :class:`carlskit.bank._tables.EmbeddingTable`. Need ``index="flat"``.
           capacity: expected rows (preallocation hint only).
         """
         self._create(name, EmbeddingTableConfig(*args, **options), self._capacity(capacity))
@@ -477,7 +483,8 @@ class KnowledgeBank:
         ``pending_keys``, ``min_version``/``max_version``, ``*_shard_calls`` (a batch that touches
         two shards counts two), rows looked up / inserted / updated, gradients received / applied,
         ``dropped_nonfinite``, ``dropped_outliers``, ``discarded_by_update``, ``optimizer_steps``,
-        ``resident_bytes``."""
+        ``resident_bytes``; admission and eviction: ``keys_not_admitted`` (lookups of keys below
+        ``min_count``), ``gradients_not_admitted``, ``rows_evicted_idle``, ``rows_evicted_capacity``."""
         per_shard = self._shards.call_all("stats")
         tables: dict[str, Any] = {}
         for shard_stats in per_shard:

@@ -105,11 +105,22 @@ class EmbeddingTableConfig(TableConfig):
     index_metric: str = _option(choice, "dot", allowed=METRICS)
     hnsw_m: int = _option(integer, 32, minimum=2)
     hnsw_ef_search: int = _option(integer, 64, minimum=1)
+    min_count: int = _option(integer, 1, minimum=1)
+    max_idle_seconds: float = _option(finite_float, math.inf, positive=True, allow_infinity=True)
+    max_rows_per_shard: int | None = _option(_optional(integer), None, minimum=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.init_scale is None:
             object.__setattr__(self, "init_scale", 1.0 / math.sqrt(self.dim))
+        if self.evicts and self.index == "hnsw":
+            raise ValueError("max_idle_seconds / max_rows_per_shard (eviction) need index='flat': an HNSW graph "
+                             "cannot remove rows")
+
+    @property
+    def evicts(self) -> bool:
+        """Whether rows are evicted (idle time or a capacity)."""
+        return math.isfinite(self.max_idle_seconds) or self.max_rows_per_shard is not None
 
 
 def _schema(schema: Any, name: str) -> tuple[tuple[str, str, int], ...]:

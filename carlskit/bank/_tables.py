@@ -45,6 +45,7 @@ def new_counters() -> dict[str, int]:
         "sample_shard_calls": 0, "rows_looked_up": 0, "rows_inserted": 0, "rows_updated": 0,
         "gradients_received": 0, "gradients_applied": 0, "optimizer_steps": 0,
         "dropped_nonfinite": 0, "dropped_outliers": 0, "discarded_by_update": 0,
+        "keys_not_admitted": 0, "gradients_not_admitted": 0, "rows_evicted_idle": 0, "rows_evicted_capacity": 0,
     }
 
 
@@ -349,7 +350,26 @@ class PendingGradients:
 
 
 class EmbeddingTable(RowStore):
-    """Float32 [dim] rows with optimizer state, lazy gradients and nearest-neighbour search."""
+    """Float32 [dim] rows with optimizer state, lazy gradients and nearest-neighbour search.
+
+    Admission and eviction, as production embedding stores have them (TF Recommenders-Addons,
+    Monolith):
+
+    - ``min_count`` > 1: a ``lookup(insert_missing=True)`` creates a key's row only once the key has
+      been looked up (with insertion) in ``min_count`` calls; until then it reads the initializer's
+      value and gets no row, and gradients sent for it are dropped (``keys_not_admitted``,
+      ``gradients_not_admitted``). The counts of keys not admitted yet live in this shard's memory
+      (a hash map entry and a count per key ever seen; not in snapshots: a restored shard counts
+      afresh). ``update`` writes a row whatever its count.
+    - ``max_idle_seconds``: a row not accessed (looked up, written, sent a gradient) for that long is
+      removed at the start of the next call reaching the shard (``rows_evicted_idle``);
+      ``max_rows_per_shard``: beyond that many rows, the least recently accessed are removed down to
+      90% of it (``rows_evicted_capacity``; the margin makes eviction rare rather than every call).
+      An eviction first applies every cached gradient of the table, then compacts the columns and
+      rebuilds the key map (O(rows), amortised by the margin). A removed key that comes back starts
+      from the initializer again. Access times are not in snapshots: a restored row counts as
+      accessed at its last write.
+    """
 
     def __init__(self, config: EmbeddingTableConfig, capacity: int = 1024) -> None:
         super().__init__(config, capacity)
@@ -360,6 +380,11 @@ class EmbeddingTable(RowStore):
         self.add_column("pending_count", (), np.int32)
         if config.optimizer == "adagrad":
             self.add_column("accumulator", (dim,), np.float32)
+        if config.evicts:
+            self.add_column("last_access_time", (), np.float64)
+        self.oldest_access = -np.inf  # a lower bound of every row's access time (no scan needed above it)
+        self.candidates = Int64RowMap(1024) if config.min_count > 1 else None
+        self.candidate_counts = np.zeros(1024, np.int64)
         self.pending = PendingGradients(dim)
         self.approximate = (
             HNSWIndex(dim, config.index_metric, config.hnsw_m, config.hnsw_ef_search)
@@ -394,14 +419,75 @@ class EmbeddingTable(RowStore):
         return self.columns["pending_count"][: self.num_rows]
 
     def maintain(self, now: float) -> bool:
-        """Flush keys whose oldest cached gradient is older than ``pending_ttl_seconds``; whether
-        any was due."""
+        """Flush keys whose oldest cached gradient is older than ``pending_ttl_seconds``, then evict
+        (class docstring); whether anything changed."""
+        changed = False
         if self.pending.live:
             due = self.pending.due_rows(now - self.config.pending_ttl_seconds)
             if len(due):
                 self.flush_rows(due, now)
-                return True
-        return False
+                changed = True
+        return self._evict(now) or changed
+
+    # ----- admission and eviction
+    def _touch(self, rows: np.ndarray, now: float) -> None:
+        if "last_access_time" in self.columns and len(rows):
+            self.columns["last_access_time"][rows] = now
+
+    def _admitted(self, keys: np.ndarray) -> np.ndarray:
+        """Count one more sighting of each distinct absent key; those reaching ``min_count``."""
+        slots = self.candidates.get(keys)
+        new = slots < 0
+        if new.any():
+            slots[new] = self.candidates.insert_new(keys[new])
+            if len(self.candidates) > len(self.candidate_counts):
+                self.candidate_counts = np.concatenate(
+                    [self.candidate_counts, np.zeros(len(self.candidates) * 2 - len(self.candidate_counts), np.int64)])
+        self.candidate_counts[slots] += 1
+        return keys[self.candidate_counts[slots] >= self.config.min_count]
+
+    def rows_of(self, keys: np.ndarray, insert_missing: bool, now: float) -> tuple[np.ndarray, np.ndarray]:
+        if self.candidates is None or not insert_missing:
+            return super().rows_of(keys, insert_missing, now)
+        rows, found = super().rows_of(keys, False, now)
+        if not found.all():
+            admitted = self._admitted(np.unique(keys[~found]))
+            if len(admitted):
+                super().rows_of(admitted, True, now)
+                rows = self.row_map.get(keys)
+        return rows, found
+
+    def _evict(self, now: float) -> bool:
+        c = self.config
+        n = self.num_rows
+        if not c.evicts or n == 0:
+            return False
+        limit = now - c.max_idle_seconds
+        over = c.max_rows_per_shard is not None and n > c.max_rows_per_shard
+        if not over and not limit > self.oldest_access:
+            return False
+        access = self.columns["last_access_time"][:n]
+        drop = access < limit
+        idle = int(drop.sum())
+        if over and n - idle > c.max_rows_per_shard:
+            target = c.max_rows_per_shard - c.max_rows_per_shard // 10
+            alive = np.flatnonzero(~drop)
+            oldest = alive[np.argpartition(access[alive], len(alive) - target - 1)[: len(alive) - target]] \
+                if target < len(alive) else alive[:0]
+            drop[oldest] = True
+        keep = np.flatnonzero(~drop)
+        self.oldest_access = float(access[keep].min()) if len(keep) else -np.inf
+        if len(keep) == n:
+            return False
+        self.flush_all(now)  # cached gradients name rows by index: apply them before rows move
+        for column in self.columns.values():
+            column[: len(keep)] = column[keep]
+        self.num_rows = len(keep)
+        self.row_map = Int64RowMap(self.capacity)
+        self.row_map.insert_new(self.columns["keys"][: len(keep)].copy())
+        self.counters["rows_evicted_idle"] += idle
+        self.counters["rows_evicted_capacity"] += n - len(keep) - idle
+        return True
 
     def flush_rows(self, rows: np.ndarray, now: float) -> None:
         """Apply the cached gradients of distinct ``rows`` with the lazy averaged rule."""
@@ -449,7 +535,12 @@ class EmbeddingTable(RowStore):
             values = self.values.take(rows if all_present else np.where(present, rows, 0), axis=0)
             if not all_present:
                 values[~present] = 0.0
+        if insert_missing and not all_present:  # keys below min_count: the initializer's value, no row
+            c = self.config
+            values[~present] = initial_values(keys[~present], c.dim, c.initializer, c.seed, c.init_scale)
+            self.counters["keys_not_admitted"] += int((~present).sum())
         self.count_lookups(valid_rows)
+        self._touch(valid_rows, now)
         return values, found
 
     def update(self, keys: np.ndarray, values: np.ndarray, version: int, now: float) -> None:
@@ -462,13 +553,21 @@ class EmbeddingTable(RowStore):
                 gradients, _ = self.pending.take(waiting, self._head, self._count)
                 self.counters["discarded_by_update"] += len(gradients)
         self._write_values(rows, values, now)
+        self._touch(rows, now)
         self.version[rows] = version
         self.max_version = max(self.max_version, version)
         self.counters["update_shard_calls"] += 1
         self.counters["rows_updated"] += len(rows)
 
     def apply_gradients(self, keys: np.ndarray, gradients: np.ndarray, now: float) -> None:
-        rows, _ = self.rows_of(keys, True, now)
+        if self.candidates is None:
+            rows, _ = self.rows_of(keys, True, now)
+        else:  # only admitted keys (those with a row) take gradients
+            rows = self.row_map.get(keys)
+            if not (rows >= 0).all():
+                self.counters["gradients_not_admitted"] += int((rows < 0).sum())
+                gradients, rows = gradients[rows >= 0], rows[rows >= 0]
+        self._touch(rows, now)
         self.pending.append(rows, gradients, np.full(len(rows), now), self._head, self._count)
         self.counters["apply_gradients_shard_calls"] += 1
         self.counters["gradients_received"] += len(rows)
@@ -511,6 +610,9 @@ class EmbeddingTable(RowStore):
         super().restored_rows(start, end)
         self.pending_head[start:end] = -1
         self.pending_count[start:end] = 0
+        if "last_access_time" in self.columns:  # not saved: a restored row was accessed at its last write
+            self.columns["last_access_time"][start:end] = self.columns["last_write_time"][start:end]
+            self.oldest_access = -np.inf
 
     def import_pending(self, parts: list[dict[str, np.ndarray]]) -> None:
         """All parts' pending gradients at once, in time order (arrival order is time order)."""

@@ -121,6 +121,22 @@ def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
                                  f"{' '.join(map(str, config['negatives']))})")
         parser.add_argument("--steps", type=_count(1), default=None,
                             help=f"training steps of each run (default: {config['steps']})")
+    elif paradigm == "node_embeddings":
+        config = config_defaults(paradigm, "NodeEmbeddingConfig")
+        _data_option(parser, digits=False)
+        parser.add_argument("--epochs", type=float, default=None,
+                            help=f"passes over each trainer's skip-gram pairs (default: {config['epochs']})")
+        parser.add_argument("--trainers", type=_count(1), default=1,
+                            help="trainers sharing the bank tables, each on its own Dask worker (needs --workers)")
+        parser.add_argument("--synthetic-nodes", type=_count(100), default=None,
+                            help="instead of --data: a stochastic-block-model graph of this many nodes "
+                                 "(6 classes, homophily 0.8, mean degree 8; default: none)")
+        parser.add_argument("--walks-per-node", type=_count(1), default=None,
+                            help=f"random walks starting at each node (default: {config['walks_per_node']})")
+        parser.add_argument("--walk-length", type=_count(2), default=None,
+                            help=f"nodes per walk (default: {config['walk_length']})")
+        parser.add_argument("--steps", type=_count(1), default=None,
+                            help="steps per trainer (default: --epochs passes over its pairs)")
     else:
         raise ValueError(f"paradigm: unknown {paradigm!r}")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, batches and sampling")

@@ -6,6 +6,7 @@ The trainer's jitted step (``carlskit/_step.py``: the loss's gradient with respe
 """
 
 from carlskit.training._checkpoint import CheckpointStore, restore_model
+from carlskit.training._embeddings import BankEmbedding, BankEmbeddings
 from carlskit.training._knowledge import BankNegatives, MinedLabels, NeighborKnowledge, check_embedding_dim
 from carlskit.training._losses import (
     graph_regularization,
@@ -17,6 +18,7 @@ from carlskit.training._losses import (
 from carlskit.training._pipeline import Prefetcher
 from carlskit.training._trainer import FitHandle, Trainer
 
-__all__ = ["CheckpointStore", "restore_model", "BankNegatives", "MinedLabels", "NeighborKnowledge",
+__all__ = ["CheckpointStore", "restore_model", "BankEmbedding", "BankEmbeddings",
+           "BankNegatives", "MinedLabels", "NeighborKnowledge",
            "check_embedding_dim", "graph_regularization", "info_nce", "masked_cross_entropy", "pairwise_distance",
            "select_mined_labels", "Prefetcher", "FitHandle", "Trainer"]

@@ -27,6 +27,7 @@ from carlskit.bank import ShardLostError
 from carlskit.cluster._placement import Placement
 from carlskit.cluster._supervised import restart_policy as restart_policy_of
 from carlskit.training._checkpoint import CheckpointStore
+from carlskit.training._embeddings import BankEmbeddings, bank_embeddings_of
 from carlskit.training._knowledge import with_bank_recovery
 from carlskit.training._pipeline import Batch, Prefetcher
 from carlskit.training._remote import fit_on_worker
@@ -89,7 +90,11 @@ class Trainer:
         shard is rebuilt by the bank's ``recover()`` and the fit goes on when the bank keeps
         snapshots (``KnowledgeBank.enable_snapshots``; see ``bank_recoveries``); otherwise ``fit``
         publishes a checkpoint of the last finished step and raises ``ShardLostError`` naming the
-        shard.
+        shard. A :class:`carlskit.training.BankEmbeddings` stage makes the model's
+        :class:`~carlskit.training.BankEmbedding` tables trainable: the step also returns the
+        gradients of the batch's bank rows and the trainer sends them to the bank
+        (``apply_gradients_async``) without waiting; the tables are the bank's, not part of the
+        trainer's checkpoints (``KnowledgeBank.enable_snapshots`` keeps them).
       checkpoints: a :class:`CheckpointStore` or a path for one; the trainer resumes from its newest intact
         checkpoint and publishes a new one every ``checkpoint_every`` steps (version = step).
       summaries: optional writer with ``scalar(name, value, step)`` (e.g. ``SummaryWriter``).
@@ -122,6 +127,13 @@ class Trainer:
         self.optimizer_transform = optimizer
         self.loss_fn = loss_fn
         self.knowledge = knowledge
+        #: the stage whose bank rows the step differentiates (None: no bank-trained tables)
+        self.embeddings = knowledge if isinstance(knowledge, BankEmbeddings) else None
+        if self.embeddings is not None:
+            self.embeddings.check_model(model)
+        elif bank_embeddings_of(model):
+            raise ValueError("the model has BankEmbedding modules: pass knowledge=BankEmbeddings(bank, "
+                             "{table: [field, ...]}) so the trainer looks their rows up")
         if isinstance(checkpoints, (str, os.PathLike)):
             checkpoints = CheckpointStore(checkpoints)
         if checkpoints is not None:
@@ -158,7 +170,7 @@ class Trainer:
         def checked_loss(model, batch):  # runs at trace time only: no cost per step
             return _check_loss_output(loss_fn(model, batch))
 
-        return make_train_step(self._graphdef, checked_loss)
+        return make_train_step(self._graphdef, checked_loss, bank_rows=self.embeddings is not None)
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
@@ -166,7 +178,8 @@ class Trainer:
             nnx.update((self.model, self.optimizer), self._state)
 
     def checkpoint_tree(self) -> dict:
-        return {"model": self._state[0], "optimizer": self._state[1]}
+        # a model without variables (e.g. every table in the bank) has no entry 0 in the split state
+        return {"model": self._state.get(0, nnx.State({})), "optimizer": self._state[1]}
 
     def save_checkpoint(self) -> int | None:
         """Publish the current state as version ``step`` (no-op without a store or if published).
@@ -331,6 +344,8 @@ class Trainer:
         return lambda: next(iterator)
 
     def _fit(self, data, steps: int, stop: threading.Event, bar: Any, plot: Any) -> None:  # a LivePlot or None
+        if self.embeddings is not None:
+            self.embeddings.begin()
         try:
             prefetcher = Prefetcher(self._source(data, self.step),
                                     with_bank_recovery(self.knowledge, self.bank_recoveries), self.prefetch)
@@ -354,11 +369,15 @@ class Trainer:
                 if plot is not None:
                     plot.update(self._series())
         finally:
-            prefetcher.close()
-            bar.close()
-            self.sync()
-            if plot is not None:
-                plot.update(self._series(), force=True)
+            try:
+                if self.embeddings is not None:
+                    self.embeddings.end()  # wakes a lookup waiting for gradients; every push acknowledged
+            finally:
+                prefetcher.close()
+                bar.close()
+                self.sync()
+                if plot is not None:
+                    plot.update(self._series(), force=True)
 
     def _next_batch(self, prefetcher: Prefetcher) -> Batch | None:
         """The next batch, None when the data ends; a lost bank shard that could not be rebuilt
@@ -382,13 +401,13 @@ class Trainer:
         arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
         start = time.perf_counter()
         try:
-            state, loss, metrics, finite = self._train_step(self._state, arrays)
+            state, loss, metrics, finite, *row_gradients = self._train_step(self._state, arrays)
         except (TypeError, ValueError) as error:  # e.g. a batch of the wrong shape for the model
             shapes = {k: (np.shape(v), str(getattr(v, "dtype", type(v).__name__))) for k, v in arrays.items()}
             kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
             raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
                        f"{error}") from error
-        loss, finite = jax.device_get((loss, finite))  # the step's one host sync
+        loss, finite, row_gradients = jax.device_get((loss, finite, row_gradients))  # the step's one host sync
         loss = float(loss)
         if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
             raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
@@ -399,6 +418,8 @@ class Trainer:
                              f"applied (the model is as after step {self.step})")
         with self._lock:
             self._state = state
+        if row_gradients:  # off the critical path: sent now, acknowledged before a later lookup
+            self.embeddings.push(batch, row_gradients[0])
         self.step += 1
         record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
                   **{k: float(v) for k, v in metrics.items()},

@@ -58,7 +58,10 @@ def test_snapshots_keep_the_manifest_format_and_old_ones_load(tmp_path):
     kb.save(tmp_path / "snap")
     manifest = tmp_path / "snap" / "manifest.json"
     content = json.loads(manifest.read_text())["content"]
-    assert {t["name"]: t["config"] for t in content["tables"]} == OLD_MANIFEST_CONFIGS
+    # the old format plus the admission/eviction options, which old manifests lack (defaults then)
+    new_options = {"min_count": 1, "max_idle_seconds": "inf", "max_rows_per_shard": None}
+    assert {t["name"]: t["config"] for t in content["tables"]} == {
+        **OLD_MANIFEST_CONFIGS, "emb": {**OLD_MANIFEST_CONFIGS["emb"], **new_options}}
     for table in content["tables"]:  # as the old code wrote them (key order included)
         table["config"] = dict(sorted(OLD_MANIFEST_CONFIGS[table["name"]].items()))
     manifest.write_bytes(dumps_checked_json(content))
