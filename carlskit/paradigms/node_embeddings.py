@@ -189,6 +189,8 @@ def create_tables(bank: KnowledgeBank, config: NodeEmbeddingConfig, num_nodes: i
 
 
 def make_trainer(bank: KnowledgeBank, config: NodeEmbeddingConfig, num_nodes: int) -> Trainer:
+    """A trainer whose only parameters are the bank's ``nodes`` and ``contexts`` tables (skip-gram
+    with negative sampling): rows looked up ahead of each step, gradients pushed back to the bank."""
     stage = BankEmbeddings(bank, {"nodes": ["centre"], "contexts": ["context", "negatives"]},
                            num_ids={"nodes": num_nodes, "contexts": num_nodes}, max_staleness=config.max_staleness)
     # no dense parameters: the optax optimizer has nothing to update
@@ -263,6 +265,8 @@ def train(data: Dataset, config: NodeEmbeddingConfig, *, seed: int = 0, client: 
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The command line (``python -m carlskit.paradigms.node_embeddings --help``): learns node
+    embeddings on a graph and prints one JSON line with the logistic regression's accuracies."""
     args = parse_arguments("node_embeddings", argv)
     if args.synthetic_nodes:  # node features are not used: one word per node keeps the graph small
         data = synthetic_planetoid(num_nodes=args.synthetic_nodes, num_classes=6, homophily=0.8, mean_degree=8.0,
