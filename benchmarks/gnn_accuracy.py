@@ -43,7 +43,7 @@ def main() -> None:
     for name in args.data:
         for seed in args.seeds:
             data = load(name, seed)
-            row = {"data": name, "seed": seed, **gnn.compare(data, config, seed=seed)}
+            row = {**gnn.compare(data, config, seed=seed), "data": name, "seed": seed}
             row.pop("config")
             if args.refresh:
                 refreshed = gnn.train_bank_gnn(data, replace(config, refresh_k=args.refresh_k,
