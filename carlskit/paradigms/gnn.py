@@ -210,7 +210,7 @@ class StalenessGuard:
         out = self.knowledge(batch)
         versions = self.checkpoints.versions()
         read = self._behind(versions, out["_oldest_embedding_version"])
-        reencoded = 0
+        reencoded, waited_from = 0, time.perf_counter()
         if self.on_stale == "wait":
             while self._behind(versions, out["_oldest_embedding_version"]) > self.max_staleness:
                 if time.perf_counter() - start > self.timeout_seconds:
@@ -234,8 +234,8 @@ class StalenessGuard:
                        "_oldest_embedding_version": oldest}
                 reencoded = len(ids)
         return {**out, "_staleness_versions": self._behind(versions, out["_oldest_embedding_version"]),
-                "_staleness_read": read, "_stale_wait_seconds": time.perf_counter() - start if self.on_stale == "wait"
-                else 0.0, "_reencoded": reencoded}
+                "_staleness_read": read, "_stale_wait_seconds": time.perf_counter() - waited_from
+                if self.on_stale == "wait" else 0.0, "_reencoded": reencoded}
 
 
 class CheckpointEncoder:
