@@ -382,9 +382,13 @@ def train_full_graph(data: Dataset, config: GNNConfig, *, seed: int = 0, use_gra
 
 
 def train_bank_gnn(data: Dataset, config: GNNConfig, *, seed: int = 0, client: Any = None, num_shards: int = 1,
-                   progress: bool | str = False, live: bool = False, workdir: str | None = None) -> dict:
+                   progress: bool | str = False, live: bool = False, workdir: str | None = None,
+                   summaries: Any = None) -> dict:
     """Train the GNN on bank-served neighbour embeddings with an embedding maker (and, with
-    ``config.refresh_k``, a neighbour maker rebuilding the graph) beside the trainer. Returns the
+    ``config.refresh_k``, a neighbour maker rebuilding the graph) beside the trainer; each step's
+    record (loss, ``staleness_versions``, ``staleness_read``, ``stale_wait_seconds``, ``reencoded``,
+    ...) goes to ``summaries`` (e.g. a :class:`carlskit.summaries.SummaryWriter`) as ``train/NAME``
+    and, with ``live``, to the trainer's live plot. Returns the
     validation-selected checkpoint's accuracies (evaluated with every node's fresh embedding over the
     bank's final neighbour records), per-step staleness and maker statistics."""
     features = _features(data)
@@ -396,13 +400,13 @@ def train_bank_gnn(data: Dataset, config: GNNConfig, *, seed: int = 0, client: A
         with tempfile.TemporaryDirectory(prefix="carlskit-gnn-") as scratch:
             store = CheckpointStore(f"{workdir or scratch}/checkpoints", keep=None)
             return _train_with_bank(data, config, features, make_model, bank, store, client, num_shards,
-                                    progress, live, started, seed)
+                                    progress, live, started, seed, summaries)
     finally:
         bank.close()
 
 
 def _train_with_bank(data, config, features, make_model, bank, store, client, num_shards, progress, live,
-                     started, seed) -> dict:
+                     started, seed, summaries) -> dict:
     width = config.neighbors + config.refresh_k
     bank.create_table("hidden", dim=config.hidden, initializer="zeros")
     bank.create_feature_table("nbrs", schema={"ids": ("int64", width), "weights": ("float32", width)})
@@ -427,7 +431,7 @@ def _train_with_bank(data, config, features, make_model, bank, store, client, nu
                                timeout_seconds=config.stale_timeout_seconds)
     trainer = Trainer(model, make_optimizer(config), bank_loss,
                       knowledge=lambda batch: batch_positions(knowledge(batch)), checkpoints=store,
-                      checkpoint_every=config.checkpoint_every)
+                      checkpoint_every=config.checkpoint_every, summaries=summaries)
     trainer.save_checkpoint()  # version 0: the makers fill the bank before the first step
     with makers_running([(maker, store) for maker in makers], bank, client):
         trainer.fit(node_batches(data, features, config.batch_size, seed), config.steps,
