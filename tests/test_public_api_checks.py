@@ -235,6 +235,10 @@ CASES = {
     "NeighborMaker k type": (lambda api: makers.NeighborMaker(1.5), T, "k"),
     "NeighborMaker k value": (lambda api: makers.NeighborMaker(0), V, "k"),
     "NeighborMaker records_table": (lambda api: makers.NeighborMaker(1, records_table=3), T, "records_table"),
+    "NeighborMaker mix type": (lambda api: makers.NeighborMaker(1, mix="half"), T, "mix"),
+    "NeighborMaker mix value": (lambda api: makers.NeighborMaker(1, mix=1.5), V, "mix"),
+    "NeighborMaker given_ids": (lambda api: makers.NeighborMaker(1, given_ids=np.zeros(4, np.int64),
+                                                                 given_weights=np.zeros(4)), V, "given_ids"),
     "LabelMaker batch_size": (lambda api: makers.LabelMaker(never, np.zeros((4, 2)), batch_size=True), T,
                               "batch_size"),
     # -- carlskit.data

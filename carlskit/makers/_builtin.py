@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from carlskit._checks import instance, positive_int
+from carlskit._checks import finite_float, instance, positive_int
 from carlskit.makers._maker import MakerContext
 from carlskit.training._knowledge import table_config
 
@@ -212,7 +212,7 @@ class NeighborMaker:
                 raise ValueError(f"given_ids must be an int array [num_items, W] and given_weights of its shape, "
                                  f"got {given_ids.dtype} {given_ids.shape} and {given_weights.shape}")
             given_ids = given_ids.astype(np.int64)
-        mix = float(mix)
+        mix = finite_float(mix, "mix")
         if not 0.0 <= mix <= 1.0:
             raise ValueError(f"mix must be in [0, 1], got {mix}")
         self.given_ids, self.given_weights, self.mix = given_ids, given_weights, mix

@@ -59,7 +59,12 @@ from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer, check
 # -- the model and the full-graph reference --------------------------------------------------------
 def aggregate(own: jax.Array, neighbor_embeddings: jax.Array, neighbor_weights: jax.Array) -> jax.Array:
     """z_i = (h_i + sum_k w_ik n_ik) / (1 + sum_k w_ik): ``own`` [B, D], ``neighbor_embeddings``
-    [B, K, D], ``neighbor_weights`` [B, K] (0 for padding)."""
+    [B, K, D], ``neighbor_weights`` [B, K] (0 for padding); ValueError naming the shapes otherwise."""
+    b, d = own.shape if own.ndim == 2 else (None, None)
+    if b is None or neighbor_embeddings.ndim != 3 or neighbor_embeddings.shape[::2] != (b, d) or \
+            neighbor_weights.shape != neighbor_embeddings.shape[:2]:
+        raise ValueError(f"expected own [B, D], neighbor_embeddings [B, K, D] and neighbor_weights [B, K]; got "
+                         f"{own.shape}, {neighbor_embeddings.shape} and {neighbor_weights.shape}")
     summed = jnp.einsum("bk,bkd->bd", neighbor_weights, neighbor_embeddings)
     return (own + summed) / (1.0 + neighbor_weights.sum(axis=1, keepdims=True))
 
@@ -316,7 +321,7 @@ def batch_positions(batch: dict) -> dict:
             "_in_batch_neighbors": float(inside.sum() / max((neighbors >= 0).sum(), 1))}
 
 
-@functools.partial(nnx.jit, static_argnames=())
+@nnx.jit
 def _predict_records(model: GNN, features: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
     hidden = model.encode(features)
     real = ids >= 0

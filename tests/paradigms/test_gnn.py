@@ -28,6 +28,11 @@ def test_full_graph_propagation_matches_a_hand_computed_path_graph():
     np.testing.assert_allclose(np.asarray(served), expected, rtol=1e-6)
 
 
+def test_aggregate_names_the_shapes_it_expects():
+    with pytest.raises(ValueError, match=r"neighbor_embeddings \[B, K, D\].*\(3, 2\), \(3, 4, 5\)"):
+        gnn.aggregate(jnp.zeros((3, 2)), jnp.zeros((3, 4, 5)), jnp.zeros((3, 4)))
+
+
 def test_symmetric_edges_rejects_bad_shapes_and_ids():
     with pytest.raises(ValueError, match=r"edges must have shape \[M, 2\]"):
         gnn.symmetric_edges(np.zeros((3, 3), np.int64), 5)
