@@ -18,6 +18,14 @@ neighbours computed from the node id, see ``million_features``), the bank sharde
 Dask workers with an embedding maker there encoding every node from the latest checkpoint. Last
 line: JSON with step_1m_over_10k, the makers' refresh rate, the bank's bytes per node and the
 staleness in checkpoint versions (``--nodes`` shrinks the large graph for a smoke test).
+
+    python benchmarks/graph_neighbors.py --only gnn [--small] [--nodes N] [--workers 2]
+The GNN of CARLS figure 3 (issue 28, ``carlskit.paradigms.gnn``): step time with K=100 neighbours
+per node over K=10 when the neighbours' hidden embeddings come from the bank
+(``gnn_t100_over_t10``) and when the step encodes the neighbours' features itself
+(``gnn_inline_t100_over_t10``, the baseline), on Cora's shape; then ``gnn_step_1m_over_10k``: the
+GNN's step time on the 1M-node graph over a 10k-node one, each timed while its embedding maker
+keeps refreshing every node from the latest checkpoint (and, for reference, with the maker stopped).
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import optax
 
 from carlskit.bank import KnowledgeBank
 from carlskit.makers import EmbeddingMaker, Maker
+from carlskit.paradigms import gnn
 from carlskit.paradigms.graph_reg import MLP, encode
 from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer, graph_regularization, masked_cross_entropy
 
@@ -103,6 +112,30 @@ def million_encode(model, ids, codebook):
     return encode(model, million_features(ids, jnp.asarray(codebook), jnp))
 
 
+def million_encode_hidden(model, ids, codebook):
+    """The GNN maker's encoder (its node encoder's hidden layer), on features computed from the ids."""
+    return gnn.encode_hidden(model, million_features(ids, jnp.asarray(codebook), jnp))
+
+
+GNN_HIDDEN = 32
+
+
+def million_variant(variant: str, codebook: np.ndarray, bank: KnowledgeBank) -> dict:
+    """What differs between the graph-regularised MLP (issue 19) and the GNN (issue 28) on the large
+    graph: the model, its loss, the bank table the maker fills and the trainer's knowledge stage."""
+    if variant == "gnn":
+        neighbors = NeighborKnowledge(bank, max_neighbors=MILLION_K, embeddings_table="hidden")
+        return {"make_model": functools.partial(gnn.GNN, MILLION_FEATURES, GNN_HIDDEN, MILLION_BLOCKS, dropout=0.5,
+                                                seed=0),
+                "loss": gnn.bank_loss, "table": ("hidden", GNN_HIDDEN),
+                "encode": functools.partial(million_encode_hidden, codebook=codebook),
+                "knowledge": lambda batch: gnn.batch_positions(neighbors(batch))}
+    return {"make_model": functools.partial(MLP, MILLION_FEATURES, 64, MILLION_BLOCKS, dropout=0.5, seed=0),
+            "loss": bank_loss, "table": ("emb", MILLION_BLOCKS),
+            "encode": functools.partial(million_encode, codebook=codebook),
+            "knowledge": NeighborKnowledge(bank, max_neighbors=MILLION_K)}
+
+
 def million_neighbors(ids: np.ndarray, num_nodes: int) -> np.ndarray:
     """SBM-like neighbours computed per node: [len(ids), MILLION_K], each in the node's block
     (id mod MILLION_BLOCKS) with probability 0.8, else uniform over all nodes."""
@@ -129,16 +162,16 @@ def million_data(num_nodes: int, batch_size: int, codebook: np.ndarray):
 
 
 def million_run(num_nodes: int, client, num_shards: int, batch_size: int,
-                live_steps: int) -> tuple[KnowledgeBank, dict]:
+                live_steps: int, variant: str = "graph_reg", timed_steps: int = 0) -> tuple[KnowledgeBank, dict]:
     """One graph size: fill the sharded bank's neighbour records, let the maker encode every node
     (version 0), train ``live_steps`` with the maker live (staleness), time one refresh from a checkpoint's
     publication, read the maker's rate. Returns the filled bank (for timing) and the figures."""
     codebook = million_codebook()
-    make_model = functools.partial(MLP, MILLION_FEATURES, 64, MILLION_BLOCKS, dropout=0.5, seed=0)
     items = np.arange(num_nodes, dtype=np.int64)
     bank = KnowledgeBank(client=client, num_shards=num_shards)
     out: dict = {"nodes": num_nodes}
-    bank.create_table("emb", dim=MILLION_BLOCKS, initializer="zeros")
+    table, dim = {"gnn": ("hidden", GNN_HIDDEN)}.get(variant, ("emb", MILLION_BLOCKS))
+    bank.create_table(table, dim=dim, initializer="zeros")
     bank.create_feature_table("nbrs", schema={"ids": ("int64", MILLION_K), "weights": ("float32", MILLION_K)})
     start = time.perf_counter()
     for lo in range(0, num_nodes, 100_000):
@@ -148,14 +181,14 @@ def million_run(num_nodes: int, client, num_shards: int, batch_size: int,
                     version=0)
     out["fill_neighbors_s"] = time.perf_counter() - start
     every = 5
+    spec = million_variant(variant, codebook, bank)
+    make_model = spec["make_model"]
     with tempfile.TemporaryDirectory() as directory:
         store = CheckpointStore(directory, keep=3)
-        trainer = Trainer(make_model(), optax.adam(1e-3), bank_loss,
-                          knowledge=NeighborKnowledge(bank, max_neighbors=MILLION_K),
+        trainer = Trainer(make_model(), optax.adam(1e-3), spec["loss"], knowledge=spec["knowledge"],
                           checkpoints=store, checkpoint_every=every)
         trainer.save_checkpoint()
-        maker = Maker(EmbeddingMaker(make_model, functools.partial(million_encode, codebook=codebook), items,
-                                     batch_size=8192),
+        maker = Maker(EmbeddingMaker(make_model, spec["encode"], items, batch_size=8192, table=table),
                       items, num_slices=num_shards, name="embeddings", poll_seconds=0.05)
         data = million_data(num_nodes, batch_size, codebook)
         start = time.perf_counter()
@@ -164,6 +197,8 @@ def million_run(num_nodes: int, client, num_shards: int, batch_size: int,
             maker.wait_for_version(0, timeout=1800)
             out["first_refresh_s"] = time.perf_counter() - start  # includes the workers' compile
             trainer.fit(data, live_steps, progress=False, live=False)
+            if timed_steps:  # step time while the maker keeps refreshing every node
+                out["step_with_maker_s"] = time_fit(trainer, data, timed_steps, 1)
             trainer.fit(data, 1, progress=False, live=False)
             start = time.perf_counter()
             trainer.save_checkpoint()
@@ -193,16 +228,15 @@ def million_run(num_nodes: int, client, num_shards: int, batch_size: int,
 
 
 def million_step_times(banks: dict[int, KnowledgeBank], batch_size: int, steps: int, warmup: int,
-                       repeats: int) -> dict[int, float]:
+                       repeats: int, variant: str = "graph_reg") -> dict[int, float]:
     """Trainer step time per graph size (maker stopped), sizes alternated ``repeats`` times so that
     load from other processes falls on both; the median per size."""
     codebook = million_codebook()
-    make_model = functools.partial(MLP, MILLION_FEATURES, 64, MILLION_BLOCKS, dropout=0.5, seed=0)
     times: dict[int, list[float]] = {n: [] for n in banks}
     for _ in range(repeats):
         for num_nodes, bank in banks.items():
-            trainer = Trainer(make_model(), optax.adam(1e-3), bank_loss,
-                              knowledge=NeighborKnowledge(bank, max_neighbors=MILLION_K))
+            spec = million_variant(variant, codebook, bank)
+            trainer = Trainer(spec["make_model"](), optax.adam(1e-3), spec["loss"], knowledge=spec["knowledge"])
             times[num_nodes].append(time_fit(trainer, million_data(num_nodes, batch_size, codebook), steps, warmup))
             print(f"{num_nodes} nodes: {times[num_nodes][-1] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
     return {n: float(np.median(t)) for n, t in times.items()}
@@ -242,16 +276,96 @@ def million_main(num_nodes: int, workers: int, small: bool) -> None:
     print(json.dumps(results))
 
 
+def gnn_inline_loss(model, batch):
+    """The baseline: the step encodes every neighbour's features itself (gradient through them too)."""
+    b, k, f = batch["neighbor_features"].shape
+    neighbors = model.encode(batch["neighbor_features"].reshape(b * k, f), deterministic=False).reshape(b, k, -1)
+    logits = model.classify(gnn.aggregate(model.encode(batch["features"], deterministic=False), neighbors,
+                                          batch["neighbor_weights"]), deterministic=False)
+    loss = masked_cross_entropy(logits, batch["labels"], batch["labelled"])
+    return loss, {}
+
+
+def gnn_neighbor_counts(small: bool) -> dict:
+    """gnn_t100_over_t10 (bank-served) and gnn_inline_t100_over_t10 on Cora's shape, modes and Ks
+    alternated ``repeats`` times (the median per case), so that load falls on all of them."""
+    batch_size, ks = (32 if small else 128), (10, 100)  # small: the notebook's smoke run (inline K=100 is slow)
+    steps, warmup, repeats = (8, 2, 1) if small else (30, 5, 3)
+    rng = np.random.default_rng(0)
+    features = (rng.random((NUM_ITEMS, NUM_FEATURES)) < 0.01).astype(np.float32)
+    labels = rng.integers(0, NUM_CLASSES, NUM_ITEMS)
+    neighbors = rng.integers(0, NUM_ITEMS, (NUM_ITEMS, max(ks)))
+    make_model = functools.partial(gnn.GNN, NUM_FEATURES, HIDDEN, NUM_CLASSES, dropout=0.5, seed=0)
+    bank = KnowledgeBank()
+    bank.create_table("hidden", dim=HIDDEN, initializer="zeros")
+    bank.create_feature_table("nbrs", schema={"ids": ("int64", max(ks)), "weights": ("float32", max(ks))})
+    items = np.arange(NUM_ITEMS)
+    bank.update("nbrs", items, {"ids": neighbors, "weights": np.ones_like(neighbors, np.float32)}, version=0)
+    bank.update("hidden", items, np.asarray(gnn.encode_hidden(make_model(), jnp.asarray(features))), version=0)
+    times: dict = {"bank": {k: [] for k in ks}, "inline": {k: [] for k in ks}}
+    for _ in range(repeats):
+        for k in ks:
+            knowledge = NeighborKnowledge(bank, max_neighbors=k, embeddings_table="hidden")
+            trainer = Trainer(make_model(), optax.adam(1e-3), gnn.bank_loss,
+                              knowledge=lambda batch, knowledge=knowledge: gnn.batch_positions(knowledge(batch)))
+            times["bank"][k].append(time_fit(trainer, make_data(k, batch_size, features, labels, neighbors, False),
+                                             steps, warmup))
+            trainer = Trainer(make_model(), optax.adam(1e-3), gnn_inline_loss)
+            times["inline"][k].append(time_fit(trainer, make_data(k, batch_size, features, labels, neighbors, True),
+                                               steps, warmup))
+            print(f"GNN K={k:4d}  bank {times['bank'][k][-1] * 1e3:8.2f} ms/step   "
+                  f"inline {times['inline'][k][-1] * 1e3:8.2f} ms/step", file=sys.stderr, flush=True)
+    step = {mode: {k: float(np.median(t)) for k, t in by_k.items()} for mode, by_k in times.items()}
+    return {"gnn_batch_size": batch_size, "gnn_bank_step_s": step["bank"], "gnn_inline_step_s": step["inline"],
+            "gnn_t100_over_t10": step["bank"][100] / step["bank"][10],
+            "gnn_inline_t100_over_t10": step["inline"][100] / step["inline"][10]}
+
+
+def gnn_main(num_nodes: int, workers: int, small: bool) -> None:
+    results = {"load_before": os.getloadavg()[0], **gnn_neighbor_counts(small)}
+    batch_size = 128
+    steps, warmup, repeats, live_steps = (20, 5, 1, 20) if small else (50, 10, 2, 100)
+    client = None
+    if workers > 0:
+        from carlskit.cluster import connect
+
+        client = connect(n_workers=workers, memory_limit="2.5GiB")
+    banks: dict[int, KnowledgeBank] = {}
+    try:
+        banks[10_000], small_run = million_run(10_000, client, max(1, workers), batch_size, live_steps, "gnn", steps)
+        banks[num_nodes], large_run = million_run(num_nodes, client, max(1, workers), batch_size, live_steps, "gnn",
+                                                  steps)
+        stopped = million_step_times(banks, batch_size, steps, warmup, repeats, "gnn")
+    finally:
+        for bank in banks.values():
+            bank.close()
+        if client is not None:
+            client.close()
+    results.update({
+        "nodes": num_nodes, "workers": workers, "k": MILLION_K, "hidden": GNN_HIDDEN,
+        "gnn_step_10k_s": small_run["step_with_maker_s"], "gnn_step_1m_s": large_run["step_with_maker_s"],
+        "gnn_step_1m_over_10k": large_run["step_with_maker_s"] / small_run["step_with_maker_s"],
+        "gnn_step_1m_over_10k_maker_stopped": stopped[num_nodes] / stopped[10_000],
+        "maker_refresh_all_s": large_run["refresh_all_s"], "maker_rounds": large_run["maker_rounds"],
+        "staleness_versions_mean": large_run["staleness_versions_mean"],
+        "staleness_versions_max": large_run["staleness_versions_max"], "load_after": os.getloadavg()[0],
+    })
+    print(json.dumps(results))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--only", choices=["million"], default=None,
+    parser.add_argument("--only", choices=["million", "gnn"], default=None,
                         help="run only this part (default: the neighbour-count part)")
-    parser.add_argument("--nodes", type=int, default=1_000_000, help="--only million: the large graph's nodes")
-    parser.add_argument("--workers", type=int, default=2, help="--only million: Dask workers (0: in-process bank)")
+    parser.add_argument("--nodes", type=int, default=1_000_000, help="--only million/gnn: the large graph's nodes")
+    parser.add_argument("--workers", type=int, default=2,
+                        help="--only million/gnn: Dask workers (0: in-process bank)")
     args = parser.parse_args()
     if args.only == "million":
         return million_main(args.nodes, args.workers, args.small)
+    if args.only == "gnn":
+        return gnn_main(args.nodes, args.workers, args.small or os.environ.get("CARLSKIT_SMALL") == "1")
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     ks = [1, 10, 30, 100]
     # The same batch in both sizes: the bank's lookups hide behind a step only when the step has

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from carlskit._checks import instance, positive_int
+from carlskit._checks import finite_float, instance, positive_int
 from carlskit.makers._maker import MakerContext
 from carlskit.training._knowledge import table_config
 
@@ -191,13 +191,31 @@ class NeighborMaker:
     ``metric`` excluding the item itself, and writes ``{"ids", "weights"}`` records to
     ``records_table``. Weights are 1 for every neighbour found (-1 padding gets 0). Until the
     embeddings exist, the round is retried rather than counted.
+
+    With a given graph (``given_ids`` [num_items, W] int64 padded with -1, ``given_weights`` [num_items,
+    W], rows indexed by item id) each record is the given neighbours, weights times ``1 - mix``,
+    followed by the ``k`` nearest, weights ``mix`` (the paper's dynamic graph mixed with the given
+    one); the records table must be at least ``W + k`` wide.
     """
 
-    def __init__(self, k: int, *, table: str = "emb", records_table: str = "nbrs", metric: str = "cosine"):
+    def __init__(self, k: int, *, table: str = "emb", records_table: str = "nbrs", metric: str = "cosine",
+                 given_ids: np.ndarray | None = None, given_weights: np.ndarray | None = None, mix: float = 1.0):
         k = positive_int(k, "k")
         instance(table, "table", str, "a table name (str)")
         instance(records_table, "records_table", str, "a table name (str)")
         self.k, self.table, self.records_table, self.metric = k, table, records_table, metric
+        if (given_ids is None) != (given_weights is None):
+            raise ValueError("given_ids and given_weights come together (both or neither)")
+        if given_ids is not None:
+            given_ids, given_weights = np.asarray(given_ids), np.asarray(given_weights, np.float32)
+            if given_ids.ndim != 2 or given_weights.shape != given_ids.shape or given_ids.dtype.kind not in "iu":
+                raise ValueError(f"given_ids must be an int array [num_items, W] and given_weights of its shape, "
+                                 f"got {given_ids.dtype} {given_ids.shape} and {given_weights.shape}")
+            given_ids = given_ids.astype(np.int64)
+        mix = finite_float(mix, "mix")
+        if not 0.0 <= mix <= 1.0:
+            raise ValueError(f"mix must be in [0, 1], got {mix}")
+        self.given_ids, self.given_weights, self.mix = given_ids, given_weights, mix
 
     def __call__(self, context: MakerContext) -> bool:
         bank: Any = context.bank
@@ -209,8 +227,17 @@ class NeighborMaker:
         if len(items) == 0:
             return False  # no embeddings yet (the embedding maker has not written them): retry
         neighbors, _ = bank.nearest(self.table, embeddings[found], k=self.k, metric=self.metric, exclude=items)
+        given = 0 if self.given_ids is None else self.given_ids.shape[1]
+        if given + self.k > width:
+            raise ValueError(f"NeighborMaker: {given} given + k={self.k} neighbours exceed the "
+                             f"{self.records_table!r} record width {width}")
         ids = np.full((len(items), width), -1, np.int64)
-        ids[:, : self.k] = neighbors
-        weights = (ids >= 0).astype(np.float32)
+        weights = np.zeros((len(items), width), np.float32)
+        if given:
+            _check_items(items, len(self.given_ids), type(self).__name__)
+            ids[:, :given] = self.given_ids[items]
+            weights[:, :given] = np.where(ids[:, :given] >= 0, self.given_weights[items] * (1.0 - self.mix), 0.0)
+        ids[:, given:given + self.k] = neighbors
+        weights[:, given:given + self.k] = np.where(neighbors >= 0, self.mix if given else 1.0, 0.0)
         bank.update(self.records_table, items, {"ids": ids, "weights": weights}, version=context.version)
         return True

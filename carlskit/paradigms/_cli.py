@@ -137,6 +137,25 @@ def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
                             help=f"nodes per walk (default: {config['walk_length']})")
         parser.add_argument("--steps", type=_count(1), default=None,
                             help="steps per trainer (default: --epochs passes over its pairs)")
+    elif paradigm == "gnn":
+        config = config_defaults(paradigm, "GNNConfig")
+        _data_option(parser, digits=False)
+        parser.add_argument("--neighbors", type=_count(1), default=None,
+                            help=f"given neighbours per node served from the bank (default: {config['neighbors']})")
+        parser.add_argument("--steps", type=_count(1), default=None,
+                            help=f"training steps of each model (default: {config['steps']})")
+        parser.add_argument("--max-staleness", type=_count(0), default=None,
+                            help=f"checkpoint versions a neighbour embedding may lag (default: "
+                                 f"{config['max_staleness']})")
+        parser.add_argument("--on-stale", choices=("wait", "reencode"), default=None,
+                            help=f"beyond it: wait for the maker or re-encode in the trainer (default: "
+                                 f"{config['on_stale']})")
+        parser.add_argument("--refresh-k", type=_count(0), default=None,
+                            help=f"nearest neighbours from the latest embeddings added to each node's "
+                                 f"neighbourhood by a neighbour maker (default: {config['refresh_k']}: none)")
+        parser.add_argument("--refresh-mix", type=float, default=None,
+                            help=f"weight of the refreshed neighbours, the given graph's being 1 minus it "
+                                 f"(default: {config['refresh_mix']})")
     else:
         raise ValueError(f"paradigm: unknown {paradigm!r}")
     parser.add_argument("--seed", type=int, default=0, help="seed of initialisation, batches and sampling")
@@ -151,7 +170,7 @@ def parse_arguments(paradigm: str, argv: Sequence[str] | None = None) -> argpars
     (exit status 2 and one line naming what was tried and the fetch command when it is missing)."""
     parser = paradigm_parser(paradigm)
     args = parser.parse_args(argv)
-    if hasattr(args, "data") and not (paradigm == "graph_reg" and args.data == "digits"):  # gam needs a graph
+    if hasattr(args, "data") and not (paradigm == "graph_reg" and args.data == "digits"):  # gam, gnn need a graph
         from carlskit.data._datasets import DatasetNotFoundError, resolve_planetoid  # numpy, not JAX
 
         try:

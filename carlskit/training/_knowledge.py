@@ -94,7 +94,9 @@ class NeighborKnowledge:
     - ``neighbor_embeddings`` [B, K, D] float32 and ``neighbor_weights`` [B, K] float32; padding and
       neighbours absent from the bank get weight 0 (skipped, not a crash);
     - ``_missing_neighbors``: how many real neighbours were absent, and ``_embedding_version``: the
-      mean model version of the embeddings read (the trainer logs step minus it as staleness).
+      mean model version of the embeddings read (the trainer logs step minus it as staleness),
+      ``_oldest_embedding_version`` the oldest one, and ``_neighbor_ids`` / ``_neighbor_versions``
+      [B, K] (host-side, -1 where no usable neighbour) for stages that act on stale rows.
 
     Three batched bank calls per batch (records, embeddings, embedding versions), whatever K is.
     """
@@ -126,13 +128,15 @@ class NeighborKnowledge:
         offset = len(unique) - len(lookup_keys)  # 1 when -1 (padding) is among the unique values
         embeddings = np.zeros((len(unique), self.dim), np.float32)
         present = np.zeros(len(unique), bool)
-        version = np.nan
+        version = oldest = np.nan
+        row_versions = np.full(len(unique), -1, np.int64)
         if len(lookup_keys):
             values, exists = self.bank.lookup(self.embeddings_table, lookup_keys)
             embeddings[offset:], present[offset:] = values, exists
             if exists.any():
                 versions = self.bank.row_metadata(self.embeddings_table, lookup_keys[exists])["version"]
-                version = float(np.mean(versions))
+                version, oldest = float(np.mean(versions)), float(np.min(versions))
+                row_versions[offset:][exists] = versions
         usable = real & present[inverse]
         missing = int(real.sum() - usable.sum())
         self.missing_total += missing
@@ -142,6 +146,11 @@ class NeighborKnowledge:
             "neighbor_weights": np.where(usable, weights, 0.0).astype(np.float32),
             "_missing_neighbors": missing,
             "_embedding_version": version,
+            "_oldest_embedding_version": oldest,
+            # host-side only (not scalars, so neither the step nor the history sees them): which
+            # neighbour each slot holds (-1: none usable) and its embedding's model version
+            "_neighbor_ids": np.where(usable, neighbors, -1),
+            "_neighbor_versions": np.where(usable, row_versions[inverse], -1),
         }
 
 

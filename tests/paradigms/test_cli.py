@@ -11,7 +11,7 @@ import pytest
 
 from carlskit.paradigms._cli import paradigm_parser
 
-PARADIGMS = ["graph_reg", "gam", "label_mining", "two_tower", "node_embeddings"]
+PARADIGMS = ["graph_reg", "gam", "label_mining", "two_tower", "node_embeddings", "gnn"]
 
 
 def _run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
