@@ -156,7 +156,16 @@ def check_docstrings(app, what, name, obj, options, lines) -> None:
     lines[:] = [_plain_pipes(line) for line in lines]
 
 
+def skip_imported(app, what, name, obj, skip, options):
+    """A module's members are what it defines: names it imports (``Callable``, ...) are not documented."""
+    module = getattr(obj, "__module__", None)
+    if what == "module" and isinstance(module, str) and not module.startswith("carlskit"):
+        return True
+    return None
+
+
 def setup(app):
+    app.connect("autodoc-skip-member", skip_imported)
     app.connect("builder-inited", write_api_pages)
     app.connect("builder-inited", copy_notebooks)
     app.connect("autodoc-process-docstring", check_docstrings)

@@ -285,6 +285,7 @@ def bank_loss(model: GNN, batch: dict) -> tuple[jax.Array, dict]:
 
 
 def full_graph_loss(model: GNN, batch: dict) -> tuple[jax.Array, dict]:
+    """Cross-entropy on the labelled nodes of the full-graph reference (every node encoded in the step)."""
     logits = model.full_graph(batch["features"], batch["senders"], batch["receivers"])[batch["index"]]
     loss = masked_cross_entropy(logits, batch["labels"], jnp.ones(batch["labels"].shape, bool))
     return loss, {"supervised": loss}
@@ -479,6 +480,8 @@ def compare(data: Dataset, config: GNNConfig, *, seed: int = 0, client: Any = No
 
 
 def main(argv: list[str] | None = None) -> dict:
+    """The command line (``python -m carlskit.paradigms.gnn --help``): trains the MLP and the GNN whose
+    neighbour embeddings the bank serves, and prints one JSON line with both accuracies."""
     args = parse_arguments("gnn", argv)  # --data is already resolved to a file
     data = load_planetoid(args.data)
     say(f"gnn: {data}", args.quiet)
