@@ -44,7 +44,7 @@ napoleon_use_ivar = True  # "Attributes:" of a dataclass as fields, not a second
 napoleon_custom_sections = [("Options", "params_style")]  # KnowledgeBank.create_table's table options
 html_theme = "furo"
 html_title = f"carlskit {release}"
-exclude_patterns = ["_build", "README.md", "summaries_format.md", "**/.ipynb_checkpoints"]
+exclude_patterns = ["_build", "README.md", "**/.ipynb_checkpoints"]
 suppress_warnings = ["myst.xref_missing", "mystnb.unknown_mime_type"]
 
 SUBPACKAGES = [name for name in carlskit._SUBPACKAGES]

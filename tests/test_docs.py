@@ -101,3 +101,12 @@ def test_a_browser_searches_the_site_and_sees_a_tutorial_with_plots(site):
         server.terminate()
         server.wait(timeout=30)
     shutil.rmtree(site / ".doctrees", ignore_errors=True)
+
+
+def test_the_readme_is_a_first_visit_and_links_every_guide_page():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(readme.splitlines()) <= 60, "the README holds what a first visit needs; the rest lives in docs/guide"
+    assert "make lab" in readme and "make test" in readme and "make docs" in readme
+    pages = sorted(path.name for path in (ROOT / "docs" / "guide").glob("*.md") if path.name != "index.md")
+    missing = [page for page in pages if f"(docs/guide/{page})" not in readme]
+    assert not missing, f"guide pages the README does not link: {missing}"
