@@ -429,6 +429,8 @@ class MetaTraining:
                 if hasattr(widget, method):
                     with contextlib.suppress(Exception):
                         getattr(widget, method)()
+        if getattr(self, "_dashboard", None) is not None:  # the saved output shows that final state
+            self._dashboard.show_final_frame()
 
     def _stop_services(self, timeout: float, evaluate_final: bool) -> None:
         """Close the learner (a last checkpoint), evaluate that checkpoint, close the chief: each step
@@ -598,9 +600,8 @@ class MetaTraining:
     def dashboard(self, every_seconds: float = 1.0):
         """Live view: outer loss, gradients/s and dropped fraction (``LiveSummaries``), the staleness
         histogram, the evaluation curves per checkpoint (``EvalCurves``) and the cluster status."""
-        import ipywidgets
-
         from carlskit.widgets import ClusterStatus, EvalCurves, LiveSummaries, StalenessHistogram
+        from carlskit.widgets._display import Panels
 
         if self.logdir is None:
             raise ValueError("dashboard needs summaries=True")
@@ -614,7 +615,8 @@ class MetaTraining:
         if self._driver is not None:  # refresh while training runs, displayed or not
             live.start()
             board.start()
-        return ipywidgets.VBox([live.widget, staleness.widget, curves.widget, board.widget])
+        self._dashboard = Panels([live, staleness, curves, board])
+        return self._dashboard
 
     def _repr_html_(self) -> str:
         status = self.status()

@@ -256,11 +256,11 @@ class MetaTrainDisplay:
 
     def __init__(self, estimator: str, num_tasks: int, num_outer_steps: int, progress: bool,
                  live_plot: bool | None, plot_every: int) -> None:
-        from tqdm.auto import tqdm
+        from carlskit._notebook import progress_bar
 
         self.history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
         self.num_outer_steps, self.plot_every = num_outer_steps, plot_every
-        self.bar = tqdm(range(num_outer_steps), disable=not progress, desc=f"meta-train ({estimator})")
+        self.bar, self._final_bar = progress_bar(num_outer_steps, f"meta-train ({estimator})", not progress)
         self.live = None
         if live_plot or (live_plot is None and progress):
             from carlskit._notebook import in_notebook
@@ -271,10 +271,12 @@ class MetaTrainDisplay:
                 from carlskit.widgets import LivePlot
 
                 self.live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
-                display(self.live.widget)
+                display(self.live)
 
     def steps(self):
-        return iter(self.bar)
+        for step in range(self.num_outer_steps):
+            yield step
+            self.bar.update(1)
 
     def record(self, outer_step: int, outer_loss: float, nan_fraction: float) -> None:
         self.history["step"].append(outer_step)
@@ -289,7 +291,12 @@ class MetaTrainDisplay:
             self.live.update({"outer loss": (self.history["step"], self.history["outer_loss"])}, force=True)
 
     def close(self) -> None:
+        """The last plot; the bar closed; the saved outputs show both as they ended (main thread)."""
         self._plot()
+        self.bar.close()
+        self._final_bar()
+        if self.live is not None:
+            self.live.show_final_frame()
 
 
 def _is_prng_key(key: Any) -> bool:

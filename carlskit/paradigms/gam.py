@@ -322,7 +322,7 @@ def _live_view(classifier: Trainer, agreement: Trainer, rounds: list[dict]):
     from carlskit.widgets import LivePlot
 
     plot = LivePlot("GAM co-training", width_inches=10.0)
-    display(plot.widget)
+    display(plot)
 
     def curve(records: list[dict], x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
         records = list(records)  # a snapshot: the training thread appends while we draw
@@ -332,6 +332,8 @@ def _live_view(classifier: Trainer, agreement: Trainer, rounds: list[dict]):
         plot.update({"classifier loss": curve(classifier.history, "step", "loss"),
                      "agreement loss": curve(agreement.history, "step", "loss"),
                      "validation accuracy (per round)": curve(rounds, "step", "val_acc")}, force=force)
+        if force:  # the last refresh: the saved output shows this frame (main thread only)
+            plot.show_final_frame()
 
     return refresh
 

@@ -215,3 +215,31 @@ class PeriodicThread:
         thread, self._thread = self._thread, None
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+
+
+class Panels(WidgetDisplay):
+    """Several live views shown as one, stacked (an ``ipywidgets.VBox`` of their widgets), with
+    their static fallbacks one after another: each part's HTML, or the PNG of an image widget."""
+
+    def __init__(self, parts: Sequence[Any]):
+        import ipywidgets
+
+        self.parts = list(parts)
+        self.widget = ipywidgets.VBox([part.widget for part in self.parts])
+
+    def _on_display(self) -> None:
+        for part in self.parts:
+            if hasattr(part, "_on_display"):
+                part._on_display()
+
+    def _repr_html_(self) -> str:
+        pieces = []
+        for part in self.parts:
+            if hasattr(part, "_repr_html_"):
+                pieces.append(part._repr_html_())
+            elif isinstance(getattr(part.widget, "value", None), bytes):
+                pieces.append(png_img_tag(bytes(part.widget.value), type(part).__name__))
+        return "<div>" + "".join(pieces) + "</div>"
+
+    def __repr__(self) -> str:
+        return "\n".join(repr(part) for part in self.parts)
