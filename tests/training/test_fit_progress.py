@@ -5,30 +5,13 @@ from __future__ import annotations
 
 import threading
 
-import jax.numpy as jnp
-import numpy as np
 import optax
 import tqdm.auto
-from flax import nnx
+from tiny_models import Linear, mse, sum_batch
 
 from carlskit.training import Trainer
 
-
-class Linear(nnx.Module):
-    def __init__(self):
-        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-
-    def __call__(self, x):
-        return self.linear(x)[:, 0]
-
-
-def mse(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
-
-
-def batch(step):
-    x = np.random.default_rng(step).normal(size=(8, 4)).astype(np.float32)
-    return {"x": x, "y": x.sum(axis=1)}
+batch = sum_batch
 
 
 def test_a_string_labels_the_bar_on_stderr(capsys):

@@ -10,29 +10,19 @@ notebook's outputs must show the final state of each.
 from __future__ import annotations
 
 import base64
+from pathlib import Path
 
 import nbclient
 import nbformat
 
 from carlskit.widgets._display import placeholder_png
 
-SETUP = '''
-import numpy as np, jax.numpy as jnp, optax
-from flax import nnx
+SETUP = f'''
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+from tiny_models import Linear, mse, sum_batch as batch
+import optax
 from carlskit.training import Trainer
-
-class Linear(nnx.Module):
-    def __init__(self):
-        self.linear = nnx.Linear(4, 1, rngs=nnx.Rngs(0))
-    def __call__(self, x):
-        return self.linear(x)[:, 0]
-
-def mse(model, batch):
-    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2), {}
-
-def batch(step):
-    x = np.random.default_rng(step).normal(size=(8, 4)).astype(np.float32)
-    return {"x": x, "y": x.sum(axis=1)}
 '''
 
 CELLS = [
