@@ -39,13 +39,13 @@ def progress_bar(total: int, desc: str, disable: bool = False) -> tuple[Any, Cal
         return bar, lambda: None
     from tqdm.notebook import tqdm as notebook_tqdm
 
-    from carlskit.widgets._display import WIDGET_VIEW, FinalFrame
+    from carlskit.widgets import FinalFrame
 
     bar = notebook_tqdm(total=total, desc=desc, leave=True, display=False)
     bar.set_postfix_str("compiling the step", refresh=False)
 
     def bundle() -> dict[str, Any]:
-        return {WIDGET_VIEW: bar.container._repr_mimebundle_()[WIDGET_VIEW], "text/plain": str(bar)}
+        return FinalFrame.bundle(bar.container, {"text/plain": str(bar)})
 
     frame = FinalFrame()
     frame.show(bundle())

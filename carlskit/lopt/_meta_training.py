@@ -600,8 +600,7 @@ class MetaTraining:
     def dashboard(self, every_seconds: float = 1.0):
         """Live view: outer loss, gradients/s and dropped fraction (``LiveSummaries``), the staleness
         histogram, the evaluation curves per checkpoint (``EvalCurves``) and the cluster status."""
-        from carlskit.widgets import ClusterStatus, EvalCurves, LiveSummaries, StalenessHistogram
-        from carlskit.widgets._display import Panels
+        from carlskit.widgets import ClusterStatus, EvalCurves, LiveSummaries, Panels, StalenessHistogram
 
         if self.logdir is None:
             raise ValueError("dashboard needs summaries=True")

@@ -132,6 +132,16 @@ class FinalFrame:
     def __init__(self):
         self._handle: Any = None
 
+    @staticmethod
+    def bundle(widget: Any, fallbacks: dict[str, Any]) -> dict[str, Any]:
+        """A display bundle: ``widget``'s view (when it has one) beside its static ``fallbacks``
+        (``{"text/plain": ..., "text/html": ..., "image/png": base64}``)."""
+        bundle = dict(fallbacks)
+        view = widget._repr_mimebundle_().get(WIDGET_VIEW)
+        if view is not None:
+            bundle[WIDGET_VIEW] = view
+        return bundle
+
     def show(self, bundle: dict[str, Any]) -> None:
         from IPython.display import display
 
@@ -161,11 +171,7 @@ class WidgetDisplay:
         return html.escape(repr(self))
 
     def _bundle(self) -> dict[str, Any]:
-        bundle = {"text/plain": repr(self), "text/html": self._repr_html_()}
-        view = self.widget._repr_mimebundle_().get(WIDGET_VIEW)
-        if view is not None:
-            bundle[WIDGET_VIEW] = view
-        return bundle
+        return FinalFrame.bundle(self.widget, {"text/plain": repr(self), "text/html": self._repr_html_()})
 
     def _repr_mimebundle_(self, include=None, exclude=None) -> dict[str, Any]:
         self._on_display()

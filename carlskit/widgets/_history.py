@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from carlskit.widgets._display import WIDGET_VIEW, FinalFrame, check_smoothing, placeholder_png, render_png, smooth
+from carlskit.widgets._display import FinalFrame, check_smoothing, placeholder_png, render_png, smooth
 
 
 class LivePlot:
@@ -58,12 +58,8 @@ class LivePlot:
     def _bundle(self) -> dict:
         """The widget view with a PNG of the current frame and a line of text beside it (what a
         notebook saved without widget state, or a documentation page, shows)."""
-        bundle = {"image/png": base64.b64encode(bytes(self.widget.value)).decode("ascii"),
-                  "text/plain": f"LivePlot({self.title!r}, {self.renders} renders)"}
-        view = self.widget._repr_mimebundle_().get(WIDGET_VIEW)
-        if view is not None:
-            bundle[WIDGET_VIEW] = view
-        return bundle
+        return FinalFrame.bundle(self.widget, {"image/png": base64.b64encode(bytes(self.widget.value)).decode("ascii"),
+                                               "text/plain": f"LivePlot({self.title!r}, {self.renders} renders)"})
 
     def _ipython_display_(self) -> None:
         self._final_frame = FinalFrame()
