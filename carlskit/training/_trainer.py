@@ -277,7 +277,8 @@ class Trainer:
     def show_final_frames(self) -> None:
         """In a notebook's main thread, after a fit: make the saved output of its progress bar and
         live plot show their last state (``fit`` and ``FitHandle.wait`` call this)."""
-        for final_frame in getattr(self, "_final_frames", ()):
+        final_frames, self._final_frames = getattr(self, "_final_frames", []), []  # once per fit
+        for final_frame in final_frames:
             final_frame()
 
     def _check_fit(self, steps: Any, client: Any, workers: Any, resources: Any,
