@@ -47,7 +47,7 @@ html_title = f"carlskit {release}"
 exclude_patterns = ["_build", "README.md", "**/.ipynb_checkpoints"]
 suppress_warnings = ["myst.xref_missing", "mystnb.unknown_mime_type"]
 
-SUBPACKAGES = [name for name in carlskit._SUBPACKAGES]
+SUBPACKAGES = list(carlskit._SUBPACKAGES)
 NOTEBOOKS = ROOT / "notebooks"
 
 
