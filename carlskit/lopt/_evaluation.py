@@ -45,12 +45,12 @@ import numpy as np
 from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json, unflatten_into
+from carlskit.checkpoints import CheckpointStore
 from carlskit.cluster import Placement, RestartPolicy, ServiceState, ServiceStatus, is_worker_loss
 from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.lopt._inner import init_inner_state, inner_step
 from carlskit.lopt._outer import meta_params_structure
 from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
-from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.evaluation")
 

@@ -49,6 +49,7 @@ import optax
 
 from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
+from carlskit.checkpoints import CheckpointStore
 from carlskit.cluster import LongRunningTasks, Placement, RestartPolicy, ServiceStatus, stop_flag
 from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
@@ -59,7 +60,6 @@ from carlskit.lopt._optimizer import LearnedOptimizer
 from carlskit.lopt._outer import outer_optimizer_of
 from carlskit.lopt._protocols import Task, TaskFamily
 from carlskit.lopt._tasks import as_task_family
-from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.meta_training")
 
