@@ -328,7 +328,7 @@ class KnowledgeBank:
 
     def table_config(self, name: str, kind: str | None = None, fields: tuple[str, ...] = ()) -> TableConfig:
         """The typed config of table ``name``: an :class:`~carlskit.bank.EmbeddingTableConfig` or a
-        :class:`~carlskit.bank.FeatureTableConfig` (frozen; ``.dim``, ``.schema[field] == (dtype,
+        :class:`~carlskit.bank.FeatureTableConfig` (frozen; ``.dim``, ``.fields[field] == (dtype,
         width)``...). ``ValueError`` unless the table exists, is of ``kind`` (``"embedding"`` or
         ``"feature"``, when given) and, for a feature table, has exactly ``fields`` (when given)."""
         configs = self._all_configs()
@@ -340,8 +340,8 @@ class KnowledgeBank:
         if kind is not None and config.kind != kind:
             raise ValueError(f"table {name!r} must be {wanted}, got {'an' if config.kind == 'embedding' else 'a'} "
                              f"{config.kind} table")
-        if fields and (config.kind != "feature" or set(config.schema) != set(fields)):
-            got = sorted(config.schema) if config.kind == "feature" else "no fields"
+        if fields and (config.kind != "feature" or set(config.fields) != set(fields)):
+            got = sorted(config.fields) if config.kind == "feature" else "no fields"
             raise ValueError(f"table {name!r} must be {wanted}, got fields {got}")
         return config
 

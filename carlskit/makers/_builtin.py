@@ -218,7 +218,7 @@ class NeighborMaker:
 
     def __call__(self, context: MakerContext) -> bool:
         bank: Any = context.bank
-        width = bank.table_config(self.records_table, "feature", ("ids", "weights")).schema["ids"][1]
+        width = bank.table_config(self.records_table, "feature", ("ids", "weights")).fields["ids"][1]
         if self.k > width:  # checked before reading anything, not a broadcasting error after nearest()
             raise ValueError(f"NeighborMaker k={self.k} exceeds the {self.records_table!r} record width {width}")
         embeddings, found = bank.lookup(self.table, context.items)

@@ -87,7 +87,7 @@ class NeighborKnowledge:
     def __init__(self, bank: Any, *, max_neighbors: int, records_table: str = "nbrs",
                  embeddings_table: str = "emb", key: str = "ids"):
         max_neighbors = positive_int(max_neighbors, "max_neighbors")
-        width = bank.table_config(records_table, "feature", ("ids", "weights")).schema["ids"][1]
+        width = bank.table_config(records_table, "feature", ("ids", "weights")).fields["ids"][1]
         dim = bank.table_config(embeddings_table, "embedding").dim
         if max_neighbors > width:
             raise ValueError(f"max_neighbors {max_neighbors} exceeds the {records_table!r} record width {width}")
