@@ -20,12 +20,13 @@ import time
 from collections.abc import Callable
 
 
-def interleave(variants: dict[str, Callable[[], float | None]], repeats: int,
+def interleave(variants: dict[str, Callable[[], object]], repeats: int,
                warmup: bool = True) -> dict[str, list[float]]:
     """Measure each variant ``repeats`` times, one of each per repeat, order rotated per repeat.
 
-    A variant is a zero-argument callable that returns its own measurement in seconds (e.g. time
-    per step of a fit it ran), or ``None``, and then the call's wall time is the measurement. With
+    A variant is a zero-argument callable that returns its own measurement in seconds as a
+    ``float`` (e.g. time per step of a fit it ran); if it returns anything else (``None``, an
+    array), the call's wall time is the measurement. With
     ``warmup`` each variant is called once first, unmeasured (compilation, caches). Returns
     ``{name: [seconds per repeat]}``.
     """
@@ -41,7 +42,8 @@ def interleave(variants: dict[str, Callable[[], float | None]], repeats: int,
         for name in names[shift:] + names[:shift]:
             start = time.perf_counter()
             measured = variants[name]()
-            samples[name].append(float(time.perf_counter() - start if measured is None else measured))
+            seconds = time.perf_counter() - start
+            samples[name].append(float(measured) if isinstance(measured, float) else seconds)
     return samples
 
 
