@@ -420,7 +420,7 @@ class LiveGraph:
 def gnn_main(num_nodes: int, workers: int, small: bool, max_cpu_fraction: float) -> None:
     results = {"load_before": os.getloadavg()[0], **gnn_neighbor_counts(small)}
     batch_size = 128
-    window_steps, repeats = (20, 1) if small else (400, 3)
+    window_steps, repeats = (60, 1) if small else (400, 3)
     client = None
     if workers > 0:
         from carlskit.cluster import connect
