@@ -95,7 +95,8 @@ def moe_step(x, d_model, hidden, num_experts, capacity_factor, dispatch):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
-    parser.add_argument("--only", choices=("layers", "text"), default=None, help="run one part only")
+    parser.add_argument("--only", choices=("layers", "scaling", "text"), default=None,
+                        help="run one part only (scaling: the layer timings without the capacity-factor sweep)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the text comparison")
     parser.add_argument("--jobs", type=int, default=1, help="processes for the text comparison (one seed each)")
     args = parser.parse_args()
@@ -108,8 +109,8 @@ def main() -> None:
         "tokens": groups * group_size, "group_size": group_size, "d_model": d_model, "expert_hidden": hidden,
     }
     if args.only != "text":
-        layer_benchmarks(result, x, small, rounds)
-    if args.only != "layers":
+        layer_benchmarks(result, x, small, rounds, sweep=args.only != "scaling")
+    if args.only not in ("layers", "scaling"):
         text_benchmark(result, small, args.seeds, args.jobs)
     result["small"] = small
     print(json.dumps(result))
@@ -160,8 +161,8 @@ def text_benchmark(result: dict, small: bool, seeds: int, jobs: int = 1) -> None
     }
 
 
-def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> None:
-    """Expert scaling, MoE vs dense FFN speed, and the capacity-factor sweep."""
+def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int, sweep: bool = True) -> None:
+    """Expert scaling, MoE vs dense FFN speed, and (``sweep``) the capacity-factor sweep."""
     d_model = x.shape[-1]
     hidden = 128 if small else 256
 
@@ -196,6 +197,8 @@ def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> No
     result["moe_vs_dense_speed_spread"] = result["moe_vs_dense_speed_cf1.0_spread"]
 
     # 3. Capacity factor x aux loss: drops and train-step time of a small MoEModel.
+    if not sweep:
+        return
     length, steps = (32, 60) if small else (64, 200)
     corpus, _ = toy_multilingual_corpus(512 if small else 2048, length, vocab_size=64, num_languages=8)
     sweep = {}
