@@ -19,13 +19,19 @@ Dask workers with an embedding maker there encoding every node from the latest c
 line: JSON with step_1m_over_10k, the makers' refresh rate, the bank's bytes per node and the
 staleness in checkpoint versions (``--nodes`` shrinks the large graph for a smoke test).
 
-    python benchmarks/graph_neighbors.py --only gnn [--small] [--nodes N] [--workers 2]
+    python benchmarks/graph_neighbors.py --only gnn|gnn_k|gnn_size [--small] [--nodes N] [--workers 2]
+                                         [--max-cpu-fraction 0.2]
 The GNN of CARLS figure 3 (issue 28, ``carlskit.paradigms.gnn``): step time with K=100 neighbours
 per node over K=10 when the neighbours' hidden embeddings come from the bank
 (``gnn_t100_over_t10``) and when the step encodes the neighbours' features itself
 (``gnn_inline_t100_over_t10``, the baseline), on Cora's shape; then ``gnn_step_1m_over_10k``: the
 GNN's step time on the 1M-node graph over a 10k-node one, each timed while its embedding maker
 keeps refreshing every node from the latest checkpoint (and, for reference, with the maker stopped).
+The maker of both sizes runs with the same CPU budget (``Maker(max_cpu_fraction=)``, 0.2): unpaced,
+its two slices took the trainer's two cores (step 2.9x slower at 1M). The sizes are timed in
+interleaved windows (``benchmarks/_timing.py``), each lasting until every slice has refreshed all of
+its nodes once; ``maker_rounds_per_window``, ``maker_nodes_per_s`` and ``maker_busy_fraction`` show
+the refresh going on. ``gnn_k`` / ``gnn_size`` run one of the two parts.
 """
 
 from __future__ import annotations
@@ -382,12 +388,16 @@ class LiveGraph:
     def rounds(self) -> list[int]:
         return [s["rounds"] for s in self.maker.status()["slices"]]
 
-    def window(self, steps: int) -> float:
-        """Seconds per step over ``steps`` while the maker refreshes; then wait (unmeasured) until the
-        maker has caught up with the last checkpoint, so its work never spills into the next window
-        of another size. Records the rounds each slice completed during the window."""
-        before, start = self.rounds(), time.perf_counter()
-        self.trainer.fit(self.data, steps, progress=False, live=False)
+    def window(self, min_steps: int) -> float:
+        """Seconds per step while the maker refreshes, over at least ``min_steps`` and until every
+        slice has completed a round begun in the window (the maker is idle when it starts: a full
+        refresh of every node happens inside it); then wait (unmeasured) until the maker has caught
+        up with the last checkpoint, so its work never spills into the next window of another size.
+        Records the rounds each slice completed during the window."""
+        before, start, steps = self.rounds(), time.perf_counter(), 0
+        while steps < min_steps or min(b - a for a, b in zip(before, self.rounds())) < 1:
+            self.trainer.fit(self.data, 25, progress=False, live=False)
+            steps += 25
         seconds = time.perf_counter() - start
         completed = [b - a for a, b in zip(before, self.rounds())]
         self.trainer.save_checkpoint()
@@ -417,10 +427,15 @@ class LiveGraph:
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
-def gnn_main(num_nodes: int, workers: int, small: bool, max_cpu_fraction: float) -> None:
-    results = {"load_before": os.getloadavg()[0], **gnn_neighbor_counts(small)}
+def gnn_main(num_nodes: int, workers: int, small: bool, max_cpu_fraction: float, part: str = "gnn") -> None:
+    results = {"load_before": os.getloadavg()[0]}
+    if part in ("gnn", "gnn_k"):
+        results.update(gnn_neighbor_counts(small))
+    if part == "gnn_k":
+        print(json.dumps(results))
+        return
     batch_size = 128
-    window_steps, repeats = (60, 1) if small else (400, 3)
+    window_steps, repeats = (50, 1) if small else (200, 3)
     client = None
     if workers > 0:
         from carlskit.cluster import connect
@@ -463,8 +478,8 @@ def gnn_main(num_nodes: int, workers: int, small: bool, max_cpu_fraction: float)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--only", choices=["million", "gnn"], default=None,
-                        help="run only this part (default: the neighbour-count part)")
+    parser.add_argument("--only", choices=["million", "gnn", "gnn_k", "gnn_size"], default=None,
+                        help="run only this part (default: the neighbour-count part; gnn is gnn_k then gnn_size)")
     parser.add_argument("--nodes", type=int, default=1_000_000, help="--only million/gnn: the large graph's nodes")
     parser.add_argument("--workers", type=int, default=2,
                         help="--only million/gnn: Dask workers (0: in-process bank)")
@@ -473,9 +488,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.only == "million":
         return million_main(args.nodes, args.workers, args.small)
-    if args.only == "gnn":
+    if args.only in ("gnn", "gnn_k", "gnn_size"):
         return gnn_main(args.nodes, args.workers, args.small or os.environ.get("CARLSKIT_SMALL") == "1",
-                        args.max_cpu_fraction)
+                        args.max_cpu_fraction, args.only)
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     ks = [1, 10, 30, 100]
     # The same batch in both sizes: the bank's lookups hide behind a step only when the step has
