@@ -16,7 +16,8 @@ the summary picks each variant's best rate by mean final loss over the seeds.
 
     python benchmarks/lazy_vs_immediate.py [--data cora] [--seeds 0 1] [--epochs 0.3]
         [--learning-rates 0.05 0.1] [--variants immediate lazy_mean lazy_sum] [--small]
-One JSON line per run, then a last line: the summary (best rate and mean final loss per variant).
+One JSON line per run, then a last line: the summary (best rate and mean final loss per variant,
+``lazy_mean_over_immediate_loss`` and ``lazy_sum_over_immediate_loss`` at each one's best rate).
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ def main() -> None:
                             "final_loss": float(np.mean([r["final_loss"] for r in by_rate[best]])),
                             "test_acc": float(np.mean([r["test_acc"] for r in by_rate[best]])),
                             "final_loss_per_seed": [r["final_loss"] for r in by_rate[best]]}
-    if "immediate" in summary and "lazy_sum" in summary:
-        summary["lazy_sum_over_immediate_loss"] = summary["lazy_sum"]["final_loss"] / summary["immediate"]["final_loss"]
+    for lazy in ("lazy_mean", "lazy_sum"):  # each at its best rate: <= 1 is the issue's bar
+        if "immediate" in summary and lazy in summary:
+            summary[f"{lazy}_over_immediate_loss"] = summary[lazy]["final_loss"] / summary["immediate"]["final_loss"]
     print(json.dumps(summary), flush=True)
 
 
