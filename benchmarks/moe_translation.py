@@ -106,6 +106,7 @@ def main() -> None:
     }
     for row in out["per_language"].values():
         row["gain_moe_32"] = row["moe_32"] - row["dense"]
+    print("SCORES " + json.dumps(out), file=sys.stderr, flush=True)  # the bar's figures, before decoding tests
     best = next(r for r in runs if r["num_experts"] == 32 and r["seed"] == args.seeds[0])
     model = best["model"]
     first, counts = [], collections.Counter()  # the first 8 test pairs of each tag
