@@ -12,7 +12,6 @@ from flax import nnx
 
 from carlskit._checks import finite_float, instance, positive_int
 from carlskit.makers._maker import MakerContext
-from carlskit.training._knowledge import table_config
 
 
 def _item_features(features: Any) -> tuple[np.ndarray | dict[str, np.ndarray], int]:
@@ -221,7 +220,7 @@ class NeighborMaker:
 
     def __call__(self, context: MakerContext) -> bool:
         bank: Any = context.bank
-        width = table_config(bank, self.records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
+        width = bank.table_config(self.records_table, "feature", ("ids", "weights")).fields["ids"][1]
         if self.k > width:  # checked before reading anything, not a broadcasting error after nearest()
             raise ValueError(f"NeighborMaker k={self.k} exceeds the {self.records_table!r} record width {width}")
         embeddings, found = bank.lookup(self.table, context.items)
