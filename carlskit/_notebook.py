@@ -86,15 +86,16 @@ class LoopDisplay:
       summaries: a writer with ``scalar(name, value, step)``; every scalar of each record but
         ``step`` is written as ``{prefix}{name}``.
       plot_every: render every this many records (``None``: at most once a second, by time).
+      callback: the loop's caller's ``callback(record)``, called last for each record.
     Created in the thread that shows it: a notebook shows its outputs in the cell that built it.
     """
 
     def __init__(self, history: Any, total: int, label: str, *, progress: bool = True, live: bool | None = None,
                  curves: Any = ("loss",), title: str = "training", postfix: str = "loss", summaries: Any = None,
                  prefix: str = "train/", plot_every: int | None = None, plot_seconds: float = 1.0,
-                 width_inches: float = 7.0):
+                 width_inches: float = 7.0, callback: Any = None):
         self.history, self.postfix, self.summaries, self.prefix = history, postfix, summaries, prefix
-        self.curves, self.plot_every = curves, plot_every
+        self.curves, self.plot_every, self.callback = curves, plot_every, callback
         self.bar, final_bar = progress_bar(total, label, not progress)
         self.plot = None
         final_frames = [final_bar]
@@ -117,7 +118,7 @@ class LoopDisplay:
 
     def record(self, record: dict) -> None:
         """One step done: count it on the bar (with ``record[postfix]``), write its scalars to the
-        summaries, and redraw the plot when due."""
+        summaries, redraw the plot when due, and pass it to ``callback``."""
         value = record.get(self.postfix)
         if value is not None and np.ndim(value) == 0:
             step_done(self.bar, float(value), self.postfix)
@@ -132,6 +133,8 @@ class LoopDisplay:
             self.refresh()
         elif self._records % self.plot_every == 0:
             self.refresh(force=True)
+        if self.callback is not None:
+            self.callback(record)
 
     def refresh(self, force: bool = False) -> None:
         """Redraw the plot from the history (at most every ``plot_seconds`` unless ``force``)."""

@@ -54,6 +54,8 @@ class RemoteFit:
     checkpoints: Any
     checkpoint_every: int
     prefetch: int
+    check_finite: bool
+    array_metrics: bool
     step: int
     target_step: int
     channel: str = dataclasses.field(default_factory=lambda: f"carlskit-fit-{uuid.uuid4().hex[:12]}")

@@ -100,6 +100,16 @@ class Trainer:
         checkpoint and publishes a new one every ``checkpoint_every`` steps (version = step).
       summaries: optional writer with ``scalar(name, value, step)`` (e.g. ``SummaryWriter``).
       prefetch: batches prepared ahead of the step.
+      check_finite: check every step's loss and new state and commit only finite ones (one fused
+        reduction over the state per step). ``False`` commits every step, as optax does
+        (``MoEModel.fit`` trains this way).
+      array_metrics: let ``loss_fn``'s metrics be arrays (e.g. an MoE's expert load per layer and
+        expert), kept in the records as NumPy arrays and not written to ``summaries``; by default a
+        non-scalar metric is a ``ValueError``.
+
+    The state is replicated over this process's devices and batches split over them, unless the
+    model's parameters are already placed on a mesh of several devices (``MoEModel(mesh=...)``):
+    then state and batches keep the shardings the model and the data gave them.
     """
 
     def __init__(
@@ -113,6 +123,8 @@ class Trainer:
         checkpoint_every: int = 100,
         summaries: Any = None,
         prefetch: int = 2,
+        check_finite: bool = True,
+        array_metrics: bool = False,
     ):
         instance(model, "model", nnx.Module, "a flax.nnx.Module")
         instance(optimizer, "optimizer", optax.GradientTransformation, "an optax GradientTransformation")
@@ -140,6 +152,10 @@ class Trainer:
         if checkpoints is not None:
             instance(checkpoints, "checkpoints", CheckpointStore, "a CheckpointStore, a path or None")
         prefetch = positive_int(prefetch, "prefetch")
+        for name, flag in (("check_finite", check_finite), ("array_metrics", array_metrics)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        self.check_finite, self.array_metrics = check_finite, array_metrics
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.summaries = summaries
@@ -154,7 +170,7 @@ class Trainer:
         self.last_placement: dict | None = None
         self.remote_restarts = 0  # fits on a worker resubmitted after the worker was lost
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
-        self._mesh = _data_mesh()
+        self._mesh = None if _placed_on_a_mesh(self._state) else _data_mesh()
         if self._mesh is not None:
             self._state = jax.device_put(self._state,
                                          jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
@@ -170,9 +186,10 @@ class Trainer:
         loss_fn = self.loss_fn
 
         def checked_loss(model, batch):  # runs at trace time only: no cost per step
-            return _check_loss_output(loss_fn(model, batch))
+            return _check_loss_output(loss_fn(model, batch), self.array_metrics)
 
-        return make_train_step(self._graphdef, checked_loss, bank_rows=self.embeddings is not None)
+        return make_train_step(self._graphdef, checked_loss, check_finite=self.check_finite,
+                               bank_rows=self.embeddings is not None)
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
@@ -235,6 +252,7 @@ class Trainer:
         workers: list[str] | str | None = None,
         resources: dict[str, float] | None = None,
         restart_policy: Any = None,
+        callback: Callable[[dict], None] | None = None,
     ) -> History | FitHandle:
         """Train for ``steps`` steps on ``data`` (an iterable of batches or ``f(step) -> batch``).
 
@@ -247,6 +265,8 @@ class Trainer:
         an iterable that ends early ends the fit early (``len(history)`` tells how many steps ran).
         Raises ``ValueError`` when the store already holds a checkpoint newer than ``step`` (after
         ``restore`` of an older version), since this run could not publish its checkpoints there.
+        ``callback(record)``, if given, sees each step's record once it is in the history (in the
+        thread that trains, or follows a worker's records).
 
         With a Dask ``client``, the steps run on one of its workers (``workers=`` / ``resources=``,
         as :class:`carlskit.cluster.Placement`; by default an accelerator worker if there is one):
@@ -256,11 +276,13 @@ class Trainer:
         :mod:`carlskit.training._remote`).
         """
         steps, placement = self._check_fit(steps, client, workers, resources, restart_policy)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable as callback(record), got {type(callback).__name__}")
         # Created here, in the calling thread: a notebook shows it in the cell that called fit, not in
         # whichever cell runs when a background fit's thread starts.
         display = LoopDisplay(self.history, steps, progress if isinstance(progress, str) else "train",
                               progress=bool(progress), live=live, curves=("loss", "staleness"), title="Trainer",
-                              summaries=self.summaries, prefix="train/")
+                              summaries=self.summaries, prefix="train/", callback=callback)
         self._display = display
         stop = threading.Event()
         self._fitting = True
@@ -391,7 +413,7 @@ class Trainer:
                        f"{error}") from error
         loss, finite, row_gradients = jax.device_get((loss, finite, row_gradients))  # the step's one host sync
         loss = float(loss)
-        if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
+        if self.check_finite and not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
             raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
                              f"the step was not applied (the model is as after step {self.step})")
         if not finite:
@@ -404,7 +426,7 @@ class Trainer:
             self.embeddings.push(batch, row_gradients[0])
         self.step += 1
         record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
-                  **{k: float(v) for k, v in metrics.items()},
+                  **{k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in metrics.items()},
                   **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
         if "embedding_version" in record:  # knowledge read from the bank: how stale was it?
             record["staleness"] = record["step"] - 1 - record["embedding_version"]
@@ -427,7 +449,7 @@ class Trainer:
         """What a worker needs to rebuild this trainer and fit it ``steps`` steps on."""
         return RemoteFit(self._graphdef, jax.device_get(self.checkpoint_tree()), self.optimizer_transform,
                          self.loss_fn, self.knowledge, self.checkpoints, self.checkpoint_every, self.prefetch,
-                         self.step, self.step + steps)
+                         self.check_finite, self.array_metrics, self.step, self.step + steps)
 
     def _fit_remotely(self, client: Any, data: Any, steps: int, placement: Placement, policy: Any,
                       stop: threading.Event, display: LoopDisplay) -> None:
@@ -468,7 +490,8 @@ class Trainer:
         of the shared store (a rerun after a lost worker resumes from there)."""
         model, _ = nnx.merge(spec.graphdef, nnx.State({0: spec.state["model"], 1: spec.state["optimizer"]}))
         trainer = cls(model, spec.optimizer, spec.loss_fn, knowledge=spec.knowledge, checkpoints=spec.checkpoints,
-                      checkpoint_every=spec.checkpoint_every, prefetch=spec.prefetch)
+                      checkpoint_every=spec.checkpoint_every, prefetch=spec.prefetch, check_finite=spec.check_finite,
+                      array_metrics=spec.array_metrics)
         if trainer.step <= spec.step:
             trainer.adopt(spec.state, spec.step)
         return trainer
@@ -489,14 +512,15 @@ class Trainer:
         return fn(self.model)
 
 
-def _check_loss_output(output: Any) -> tuple[jax.Array, dict]:
-    """``loss_fn``'s ``(loss, metrics)``, checked: a scalar loss and a dict of scalar metrics."""
+def _check_loss_output(output: Any, array_metrics: bool = False) -> tuple[jax.Array, dict]:
+    """``loss_fn``'s ``(loss, metrics)``, checked: a scalar loss and a dict of scalar metrics
+    (of arrays too with ``array_metrics``)."""
     if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict)):
         raise TypeError(f"loss_fn must return (loss, metrics: dict), got {type(output).__name__}")
     loss, metrics = output
     if np.ndim(loss) != 0:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {np.shape(loss)}")
-    shapes = {name: np.shape(value) for name, value in metrics.items() if np.ndim(value) != 0}
+    shapes = {} if array_metrics else {name: np.shape(value) for name, value in metrics.items() if np.ndim(value) != 0}
     if shapes:
         raise ValueError(f"loss_fn's metrics must be scalars, got shapes {shapes}")
     return loss, metrics
@@ -522,3 +546,10 @@ def _fit_on_worker(spec: RemoteFit, data: Any) -> RemoteResult:
         handle.wait()  # re-raises the fit's error
     return RemoteResult(jax.device_get(trainer.checkpoint_tree()), trainer.step, list(trainer.history), placement,
                         trainer.bank_recoveries, getattr(trainer.knowledge, "missing_total", None))
+
+
+def _placed_on_a_mesh(state: Any) -> bool:
+    """Whether some array of ``state`` is already sharded over several devices (a model that
+    places its own parameters, e.g. an ``MoEModel`` with a mesh): the trainer keeps that placement."""
+    return any(isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+               and len(leaf.sharding.device_set) > 1 for leaf in jax.tree.leaves(state))
