@@ -32,9 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from carlskit.cluster._loss import is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement, _is_accelerator
-from carlskit.cluster._supervised import Backoff, restart_policy
+from carlskit.cluster import NoWorkerError, Placement, is_accelerator, retry_on_worker_loss
 
 REPORT_SECONDS = 0.5
 #: what ``Trainer.last_placement`` records of the worker (besides its address and ``resumed_from``)
@@ -84,7 +82,7 @@ def worker_placement(resumed_from: int) -> dict:
     """This worker's address, :data:`PLACEMENT_FIELDS` and the step the fit resumed from."""
     from distributed import get_worker
 
-    from carlskit.cluster._devices import worker_devices
+    from carlskit.cluster import worker_devices
 
     worker = get_worker()
     devices = worker_devices(worker)
@@ -122,13 +120,13 @@ def trainer_candidates(client: Any, placement: Placement, accelerators_only: boo
         return placement.candidates(client)
     workers = client.scheduler_info(n_workers=-1)["workers"]
     if accelerators_only:
-        return sorted(a for a, info in workers.items() if _is_accelerator(info.get("resources") or {}))
+        return sorted(a for a, info in workers.items() if is_accelerator(info.get("resources") or {}))
     return sorted(workers)
 
 
 def any_accelerator_worker(client: Any) -> bool:
     workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return any(_is_accelerator(info.get("resources") or {}) for info in workers)
+    return any(is_accelerator(info.get("resources") or {}) for info in workers)
 
 
 def run_remote(task: Callable[[RemoteFit, Any], RemoteResult], spec: RemoteFit, client: Any, data: Any,
@@ -136,34 +134,28 @@ def run_remote(task: Callable[[RemoteFit, Any], RemoteResult], spec: RemoteFit, 
                on_records: Callable[[list[dict]], None], on_placement: Callable[[dict], None],
                on_restart: Callable[[], None]) -> tuple[RemoteResult, dict[int, dict]]:
     """Run ``task(spec, data)`` on a worker of ``placement`` (blocking), resubmitting it under
-    ``policy`` when the worker is lost. Records reach ``on_records`` once each, as they arrive;
-    returns the task's result and every record received, by step (the caller merges them)."""
+    ``policy`` when the worker is lost (:func:`carlskit.cluster.retry_on_worker_loss`). Records
+    reach ``on_records`` once each, as they arrive; returns the task's result and every record
+    received, by step (the caller merges them)."""
     queue, remote_stop = spec.channel_of(client)
-    backoff = Backoff(restart_policy(policy))
     received: dict[int, dict] = {}
     accelerators_only = not placement.restricted and any_accelerator_worker(client)
-    while True:
-        try:
-            candidates = trainer_candidates(client, placement, accelerators_only)
-            if not candidates:
-                raise NoWorkerError(f"no live worker matches the trainer's placement ({placement})")
-            # Sent once per try, straight to the chosen workers (the model, its optimizer state and
-            # the data's arrays can be tens of MB): not through the scheduler in the task graph.
-            parts = client.scatter([spec, data], workers=candidates, hash=False)
-            future = client.submit(task, *parts, workers=candidates, allow_other_workers=False, pure=False,
-                                   key=f"{spec.channel}-{uuid.uuid4().hex[:6]}")
-            result = _follow(client, future, candidates, queue, received, stop, remote_stop, on_records, on_placement)
-            return result, received
-        except BaseException as error:  # noqa: BLE001 - only a lost worker is retried
-            if not is_worker_loss(error):
-                raise
-            delay = backoff.failure()
-            if delay is None:
-                raise RuntimeError(f"training on a worker ({placement}) gave up: workers kept being lost for "
-                                   f"{backoff.policy.budget_seconds:g} s; last: {type(error).__name__}: "
-                                   f"{error}") from error
-            on_restart()
-            time.sleep(delay)
+
+    def attempt() -> RemoteResult:
+        candidates = trainer_candidates(client, placement, accelerators_only)
+        if not candidates:
+            raise NoWorkerError(f"no live worker matches the trainer's placement ({placement})")
+        # Sent once per try, straight to the chosen workers (the model, its optimizer state and
+        # the data's arrays can be tens of MB): not through the scheduler in the task graph.
+        parts = client.scatter([spec, data], workers=candidates, hash=False)
+        future = client.submit(task, *parts, workers=candidates, allow_other_workers=False, pure=False,
+                               key=f"{spec.channel}-{uuid.uuid4().hex[:6]}")
+        return _follow(client, future, candidates, queue, received, stop, remote_stop, on_records, on_placement)
+
+    # a lost worker (by type) is retried under the trainer's policy; ServiceGaveUpError once spent
+    result = retry_on_worker_loss(attempt, policy=policy, what=f"training on a worker ({placement})",
+                                  on_retry=lambda error, delay: on_restart())
+    return result, received
 
 
 def _follow(client, future, candidates, queue, received, stop, remote_stop, on_records, on_placement):
