@@ -210,13 +210,13 @@ def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int, sweep
             )
             history = model.fit(corpus, steps=steps, batch_size=16, learning_rate=3e-3, seed=0)
             tail = slice(-max(1, steps // 5), None)
-            step_seconds = np.diff(history["seconds"])[tail]
+            step_seconds = np.diff(history.column("seconds"))[tail]
             entry = {
-                "dropped_tokens": round(float(np.mean(history["dropped_tokens"][tail])), 4),
-                "dropped_first": round(float(np.mean(history["dropped_first"][tail])), 4),
-                "dropped_second": round(float(np.mean(history["dropped_second"][tail])), 4),
-                "max_expert_load": round(float(np.max(np.mean(history["expert_load"][tail], axis=0))), 4),
-                "cross_entropy": round(float(np.mean(history["cross_entropy"][tail])), 4),
+                "dropped_tokens": round(float(np.mean(history.column("dropped_tokens")[tail])), 4),
+                "dropped_first": round(float(np.mean(history.column("dropped_first")[tail])), 4),
+                "dropped_second": round(float(np.mean(history.column("dropped_second")[tail])), 4),
+                "max_expert_load": round(float(np.max(np.mean(history.column("expert_load")[tail], axis=0))), 4),
+                "cross_entropy": round(float(np.mean(history.column("cross_entropy")[tail])), 4),
                 "step_ms": round(1e3 * float(np.median(step_seconds)), 3),
             }
             sweep[f"cf{capacity_factor}_aux{aux_loss_weight}"] = entry
