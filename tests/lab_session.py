@@ -19,7 +19,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
+from process_helpers import wait_for_no_children
 
 try:
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -38,6 +40,10 @@ USER_SETTINGS = {
     "@jupyterlab/notebook-extension/tracker": {"autoStartDefaultKernel": True, "windowingMode": "none"},
     "@jupyterlab/apputils-extension/notification": {"fetchNews": "false", "checkForUpdates": False},
 }
+
+
+# The notebook panel on show (a hidden one may stay in the DOM).
+NOTEBOOK_PANEL = ".jp-NotebookPanel:not(.lm-mod-hidden)"
 
 
 def require(condition: bool, reason: str) -> None:
@@ -77,11 +83,12 @@ def wait_for_server(url: str, process: subprocess.Popen, seconds: float) -> None
 class Lab:
     """A running JupyterLab: ``url(path)`` opens a file, ``api(method, path)`` calls its REST API."""
 
-    def __init__(self, base: str, token: str, log: Path):
-        self.base, self.token, self.log = base, token, log
+    def __init__(self, base: str, token: str, log: Path, pid: int):
+        self.base, self.token, self.log, self.pid = base, token, log, pid
 
     def url(self, path: str) -> str:
-        return f"{self.base}/lab/tree/{path}?token={self.token}"
+        """The page with ``path`` open alone (``reset``: no tabs restored from an earlier page's workspace)."""
+        return f"{self.base}/lab/tree/{path}?token={self.token}&reset"
 
     def api(self, method: str, path: str):
         request = urllib.request.Request(f"{self.base}/api/{path}", method=method,
@@ -90,14 +97,20 @@ class Lab:
             body = response.read()
         return json.loads(body) if body else None
 
-    def shut_down_kernels(self, seconds: float = 30.0) -> None:
-        """Shut every kernel down (its notebook stays open) and wait until none is left."""
+    def shut_down_kernels(self, seconds: float = 30.0) -> list[str]:
+        """Shut every kernel down and wait until the server has no child process left (a kernel, or a
+        process a kernel started); return the command lines of those still alive after ``seconds``
+        (killed)."""
         for kernel in self.api("GET", "kernels"):
             with contextlib.suppress(OSError):
                 self.api("DELETE", f"kernels/{kernel['id']}")
-        deadline = time.monotonic() + seconds
-        while self.api("GET", "kernels") and time.monotonic() < deadline:
-            time.sleep(0.25)
+        alive = wait_for_no_children(set(), seconds, parent=psutil.Process(self.pid))
+        leftovers = []
+        for child in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                leftovers.append(" ".join(child.cmdline()[:4]))
+                child.kill()
+        return leftovers
 
 
 @contextlib.contextmanager
@@ -131,7 +144,7 @@ def running_lab(root: Path, home: Path, *, extra_args=(), env=None):
         try:
             base = f"http://127.0.0.1:{port}"
             wait_for_server(f"{base}/api/status?token={token}", server, seconds=60)
-            yield Lab(base, token, log_path)
+            yield Lab(base, token, log_path, server.pid)
         finally:
             server.terminate()
             try:
@@ -154,7 +167,7 @@ def chromium():
 def open_notebook(page, url: str) -> None:
     """Open a notebook and wait until its auto-started kernel is connected and idle."""
     page.goto(url)
-    page.wait_for_selector(".jp-NotebookPanel .jp-Cell", timeout=60_000)
+    page.wait_for_selector(f"{NOTEBOOK_PANEL} .jp-Cell", timeout=60_000)
     page.wait_for_function("() => document.body.innerText.includes('(ipykernel) | Idle')", timeout=90_000)
 
 

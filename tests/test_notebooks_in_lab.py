@@ -23,7 +23,15 @@ import time
 
 import nbformat
 import pytest
-from lab_session import REPO_ROOT, chromium, open_notebook, require_browser_tools, run_all_cells, running_lab
+from lab_session import (
+    NOTEBOOK_PANEL,
+    REPO_ROOT,
+    chromium,
+    open_notebook,
+    require_browser_tools,
+    run_all_cells,
+    running_lab,
+)
 from notebook_checks import unseen_outputs
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
@@ -33,19 +41,22 @@ RUN_SECONDS = 300  # one notebook's Run All at small size (nbmake's --nbmake-tim
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
-pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_leftover_processes"),
-              pytest.mark.timeout(RUN_SECONDS + 120)]
+# Chromium starts helper processes per page, so the per-test process check is the lab's own: after each
+# notebook its kernel and whatever the kernel started (Dask workers) are gone (Lab.shut_down_kernels).
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_SECONDS + 120)]
 
-# What the page shows once Run All is over: per code cell its prompt, and per output its MIME type, box and text.
-PAGE_STATE = """() => {
-  const cells = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell')];
+# What the page shows once Run All is over: per code cell its prompt, whether a widget view in its outputs is
+# drawn (a box of at least 1 px; a closed widget leaves an empty, hidden output), and its outputs' MIME type and text.
+PAGE_STATE = """(PANEL) => {
+  const cells = [...document.querySelectorAll(PANEL + ' .jp-CodeCell')];
   return {
     idle: document.body.innerText.includes('(ipykernel) | Idle'),
-    prompts: cells.map(c => (c.querySelector('.jp-InputArea-prompt') || {}).innerText || ''),
-    outputs: cells.flatMap((c, index) => [...c.querySelectorAll('.jp-OutputArea-output')].map(o => {
-      const box = o.getBoundingClientRect();
-      return {cell: index, mime: o.dataset.mimeType || '', width: box.width, height: box.height,
-              text: o.innerText.slice(0, 2000)};
+    cells: cells.map(c => ({
+      prompt: (c.querySelector('.jp-InputArea-prompt') || {}).innerText || '',
+      widget_shown: [...c.querySelectorAll('.jp-OutputArea-output .jupyter-widgets')].some(v => {
+        const box = v.getBoundingClientRect(); return box.width >= 1 && box.height >= 1; }),
+      outputs: [...c.querySelectorAll('.jp-OutputArea-output')].map(o => (
+        {mime: o.dataset.mimeType || '', text: o.innerText.slice(0, 2000)})),
     })),
   };
 }"""
@@ -77,18 +88,19 @@ def wait_until_run_all_is_over(page, seconds: float) -> dict:
     an instant after the previous one ends)."""
     deadline, quiet = time.monotonic() + seconds, 0
     while time.monotonic() < deadline:
-        state = page.evaluate(PAGE_STATE)
-        busy = any("*" in prompt for prompt in state["prompts"])
+        state = page.evaluate(PAGE_STATE, NOTEBOOK_PANEL)
+        busy = any("*" in cell["prompt"] for cell in state["cells"])
         quiet = quiet + 1 if state["idle"] and not busy else 0
         if quiet >= 2:
             return state
         page.wait_for_timeout(500)
-    raise AssertionError(f"Run All did not finish within {seconds:.0f} s; prompts: {state['prompts']}")
+    prompts = [cell["prompt"] for cell in state["cells"]]
+    raise AssertionError(f"Run All did not finish within {seconds:.0f} s; prompts: {prompts}")
 
 
 def save(page, executed, since: float) -> None:
     """Ctrl+S, then wait until the copy with outputs is written and the tab is no longer marked dirty."""
-    page.locator(".jp-NotebookPanel .jp-Notebook").first.click(position={"x": 5, "y": 5})
+    page.locator(f"{NOTEBOOK_PANEL} .jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Escape")  # command mode: Ctrl+S saves in either mode, a click may have entered edit mode
     page.keyboard.press("Control+s")
     deadline = time.monotonic() + 60
@@ -100,18 +112,20 @@ def save(page, executed, since: float) -> None:
     raise AssertionError(f"saving did not write {executed.relative_to(REPO_ROOT)} within 60 s")
 
 
-def page_problems(state: dict) -> list[str]:
+def page_problems(state: dict, notebook) -> list[str]:
+    """Error/stderr outputs on the page; a cell whose saved outputs hold a widget view and whose page shows none."""
     problems = []
-    for output in state["outputs"]:
-        where = f"cell {output['cell']} (page)"
-        if output["mime"] == "application/vnd.jupyter.stderr":
-            problems.append(f"{where}: error or stderr output: {output['text'][:1500]}")
-        if output["mime"] == WIDGET_VIEW:
-            if output["width"] < 1 or output["height"] < 1:
-                problems.append(f"{where}: a widget that shows nothing (its box is {output['width']:.0f} x "
-                                f"{output['height']:.0f} px)")
-            if re.search(r"Error displaying widget|model not found|Loading widget", output["text"]):
+    code_cells = [(index, cell) for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
+    for (index, cell), shown in zip(code_cells, state["cells"], strict=True):
+        where = f"cell {index} (page)"
+        for output in shown["outputs"]:
+            if output["mime"] == "application/vnd.jupyter.stderr":
+                problems.append(f"{where}: error or stderr output: {output['text'][:1500]}")
+            if re.search(r"Error displaying widget|model not found", output["text"]):
                 problems.append(f"{where}: {output['text'][:200]!r}")
+        saved_widget = any(WIDGET_VIEW in output.get("data", {}) for output in cell.get("outputs", []))
+        if saved_widget and not shown["widget_shown"]:
+            problems.append(f"{where}: its widget is not drawn (closed, or never rendered)")
     return problems
 
 
@@ -143,9 +157,11 @@ def test_run_all_in_jupyterlab_shows_every_result_and_saving_leaves_git_clean(la
         state = wait_until_run_all_is_over(page, RUN_SECONDS)
         save(page, executed, started)
     finally:
-        lab.shut_down_kernels()
         page.close()
-    problems = page_problems(state) + saved_problems(nbformat.read(executed, as_version=4))
+        leftovers = lab.shut_down_kernels()
+    assert not leftovers, f"{name}: processes left running after its kernel shut down: {leftovers}"
+    notebook = nbformat.read(executed, as_version=4)
+    problems = page_problems(state, notebook) + saved_problems(notebook)
     saved = path.read_bytes()
     if saved != committed:
         path.write_bytes(committed)  # the checkout as it was; the test still fails
