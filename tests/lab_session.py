@@ -1,6 +1,6 @@
 """A real JupyterLab for browser tests: the server on a free port of 127.0.0.1, headless Debian Chromium
 driven by Playwright (its own browser downloads are never used). Shared by the widget test
-(``tests/widgets/test_browser.py``) and the Run All of every tutorial (``tests/test_notebooks_in_lab.py``).
+(``tests/widgets/test_browser.py``) and the Run All of every tutorial (``tests/notebooks/test_run_all_in_lab.py``).
 
 Without ``/usr/bin/chromium`` or the ``playwright`` package a test that needs them skips locally and
 fails in CI (env ``CI`` set): ``make browser`` installs Chromium.

@@ -1,5 +1,6 @@
 """What a saved notebook (an executed copy in ``notebooks/executed/``) must show a reader: checked on
-every notebook run by ``make test`` (the repository's ``conftest.py`` and ``tests/test_notebooks_in_lab.py``)."""
+every notebook run by ``make test`` (the repository's ``conftest.py`` for nbmake,
+``tests/notebooks/test_run_all_in_lab.py`` for JupyterLab)."""
 
 from __future__ import annotations
 
