@@ -7,7 +7,8 @@ Every notebook nbmake runs is also kept with its outputs in ``notebooks/executed
 folder where ``make lab`` keeps the last run), written atomically: the documentation site
 (``make docs``) renders the tutorials from those copies instead of running them a second time. A run
 whose saved outputs a reader could not see fails: a widget view without a static frame beside it (a
-PNG, HTML, or text that is more than the widget's repr), or a Python warning printed by a cell.
+PNG, HTML, or text that is more than the widget's repr), or a warning or anything else a cell
+printed to stderr (``tests/notebook_checks.py``, the checks the JupyterLab run applies too).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ os.environ["IPYTHONDIR"] = str(_IPYTHON)
 
 if str(_TESTS) not in sys.path:  # for `pytest --nbmake notebooks` too
     sys.path.insert(0, str(_TESTS))
-from notebook_checks import unseen_outputs  # noqa: E402
+from notebook_checks import saved_problems  # noqa: E402
 
 
 def _keep_executed_copies() -> None:
@@ -56,8 +57,8 @@ def _keep_executed_copies() -> None:
         nbformat.write(result.nb, str(temporary))
         os.replace(temporary, target)
         if result.error is None:
-            unseen = unseen_outputs(result.nb)
-            assert not unseen, f"{source.name}: outputs a saved copy does not show: {unseen}"
+            problems = saved_problems(result.nb)
+            assert not problems, f"{source.name}: what its saved copy shows: {problems}"
         return result
 
     execute.keeps_executed_copy = True

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import difflib
 import os
-import re
 import subprocess
 import time
 
@@ -32,14 +31,12 @@ from lab_session import (
     run_all_cells,
     running_lab,
 )
-from notebook_checks import unseen_outputs
+from notebook_checks import page_problems, saved_problems
 
 NOTEBOOKS = REPO_ROOT / "notebooks"
 EXECUTED = NOTEBOOKS / "executed"
 NAMES = sorted(path.name for path in NOTEBOOKS.glob("*.ipynb"))
 RUN_SECONDS = 300  # one notebook's Run All at small size (nbmake's --nbmake-timeout in make test)
-WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 # Chromium starts helper processes per page, so the per-test process check is the lab's own: after each
 # notebook its kernel and whatever the kernel started (Dask workers) are gone (Lab.shut_down_kernels).
@@ -112,39 +109,6 @@ def save(page, executed, since: float) -> None:
     raise AssertionError(f"saving did not write {executed.relative_to(REPO_ROOT)} within 60 s")
 
 
-def page_problems(state: dict, notebook) -> list[str]:
-    """Error/stderr outputs on the page; a cell whose saved outputs hold a widget view and whose page shows none."""
-    problems = []
-    code_cells = [(index, cell) for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"]
-    for (index, cell), shown in zip(code_cells, state["cells"], strict=True):
-        where = f"cell {index} (page)"
-        for output in shown["outputs"]:
-            if output["mime"] == "application/vnd.jupyter.stderr":
-                problems.append(f"{where}: error or stderr output: {output['text'][:1500]}")
-            if re.search(r"Error displaying widget|model not found", output["text"]):
-                problems.append(f"{where}: {output['text'][:200]!r}")
-        saved_widget = any(WIDGET_VIEW in output.get("data", {}) for output in cell.get("outputs", []))
-        if saved_widget and not shown["widget_shown"]:
-            problems.append(f"{where}: its widget is not drawn (closed, or never rendered)")
-    return problems
-
-
-def saved_problems(notebook) -> list[str]:
-    problems = []
-    for index, cell in enumerate(notebook.cells):
-        if cell.cell_type != "code":
-            continue
-        if cell.get("execution_count") is None and cell.source.strip():
-            problems.append(f"cell {index} never ran (Run All stopped before it)")
-        for output in cell.get("outputs", []):
-            if output.get("output_type") == "error":
-                trace = ANSI.sub("", "\n".join(output.get("traceback", [])))
-                problems.append(f"cell {index}: {output['ename']}: {output['evalue']}\n{trace[-3000:]}")
-            elif output.get("output_type") == "stream" and output.get("name") == "stderr":
-                problems.append(f"cell {index}: stderr: {''.join(output['text'])[:1500]!r}")
-    return problems + unseen_outputs(notebook)
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_run_all_in_jupyterlab_shows_every_result_and_saving_leaves_git_clean(lab, browser, name):
     path, executed = NOTEBOOKS / name, EXECUTED / name
@@ -164,7 +128,9 @@ def test_run_all_in_jupyterlab_shows_every_result_and_saving_leaves_git_clean(la
     problems = page_problems(state, notebook) + saved_problems(notebook)
     saved = path.read_bytes()
     if saved != committed:
-        path.write_bytes(committed)  # the checkout as it was; the test still fails
+        restore = path.with_name(f".{path.name}.restore")
+        restore.write_bytes(committed)
+        os.replace(restore, path)  # the checkout as it was; the test still fails
         diff = difflib.unified_diff(committed.decode().splitlines(), saved.decode().splitlines(), lineterm="", n=1)
         problems.append("a plain save changed the notebook:\n" + "\n".join(list(diff)[:40]))
     elif git_status(path) != status:
