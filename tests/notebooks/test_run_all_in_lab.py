@@ -95,8 +95,10 @@ def wait_until_run_all_is_over(page, seconds: float) -> dict:
     raise AssertionError(f"Run All did not finish within {seconds:.0f} s; prompts: {prompts}")
 
 
-def save(page, executed, since: float) -> None:
-    """Ctrl+S, then wait until the copy with outputs is written and the tab is no longer marked dirty."""
+def save(page, executed) -> None:
+    """Ctrl+S, then wait until the copy with outputs is written (again: JupyterLab's autosave may have written
+    one during the run) and the tab is no longer marked dirty."""
+    since = time.time()
     page.locator(f"{NOTEBOOK_PANEL} .jp-Notebook").first.click(position={"x": 5, "y": 5})
     page.keyboard.press("Escape")  # command mode: Ctrl+S saves in either mode, a click may have entered edit mode
     page.keyboard.press("Control+s")
@@ -115,11 +117,10 @@ def test_run_all_in_jupyterlab_shows_every_result_and_saving_leaves_git_clean(la
     committed, status = path.read_bytes(), git_status(path)
     page = browser.new_page(viewport={"width": 1280, "height": 1000})
     try:
-        started = time.time()
         open_notebook(page, lab.url(name))
         run_all_cells(page)
         state = wait_until_run_all_is_over(page, RUN_SECONDS)
-        save(page, executed, started)
+        save(page, executed)
     finally:
         page.close()
         leftovers = lab.shut_down_kernels()
