@@ -1,4 +1,4 @@
-"""Learned optimizers (Metz et al. 2022): per-parameter MLP optimizer, tasks, ES/PES meta-training.
+"""Learned optimizers (Metz et al. 2020): per-parameter MLP optimizer, tasks, ES/PES meta-training.
 
 The layout, one concept per module:
 
@@ -28,7 +28,7 @@ The layout, one concept per module:
   ``optax_train_curves``; the tuned baselines ``tuned_adam`` (Adam at its best of
   ``ADAM_LEARNING_RATES``), ``tuned_sgd_learning_rate`` and ``tuned_learning_rate`` (any optax optimizer);
   ``compare_to_tuned_adam`` (the per-problem table), ``final_loss``, ``geometric_mean_ratio``.
-* The meta-training cluster (Metz et al. 2022, App. H.1), the same core distributed: ES workers
+* The meta-training cluster (Metz et al. 2020, App. H.1), the same core distributed: ES workers
   (``worker_estimate``) -> ``GradientStore`` -> ``Learner`` (``learner_apply``), driven and
   supervised by ``MetaTraining``; ``EvaluationChief`` with ``EvalTaskSet``,
   ``default_eval_task_sets`` and ``evaluation_curves`` (which run ``inner_step``).

@@ -1,4 +1,4 @@
-"""``Learner``: applies averaged, fresh-enough ES gradients to the meta-parameters (Metz et al. 2022,
+"""``Learner``: applies averaged, fresh-enough ES gradients to the meta-parameters (Metz et al. 2020,
 Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-process.
 
 One update (``update()``), the learner half of the outer core

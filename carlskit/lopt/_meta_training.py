@@ -1,4 +1,4 @@
-"""``MetaTraining``: the learned-optimizer training cluster of Metz et al. (2022), Appendix H.1, on Dask.
+"""``MetaTraining``: the learned-optimizer training cluster of Metz et al. (2020), Appendix H.1, on Dask.
 
     ES workers ──put_many──▶ GradientStore ◀──take_many── Learner ──checkpoints──▶ CheckpointStore
         ▲                                                    │                         │
@@ -103,7 +103,7 @@ def service_placements(workers: list[str] | str | None, resources: Mapping[str, 
 
 class MetaTraining:
     """Meta-train ``lopt`` on ``task_family`` with ES workers, a gradient store, a learner and an
-    evaluation chief (Metz et al. 2022, App. H.1).
+    evaluation chief (Metz et al. 2020, App. H.1).
 
     Args:
       lopt: the :class:`LearnedOptimizer` to train (its meta-parameters are the start, else random).

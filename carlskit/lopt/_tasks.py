@@ -1,4 +1,4 @@
-"""The built-in inner problems for learned optimizers (Metz et al. 2022, Sec. 4): quadratics, digits
+"""The built-in inner problems for learned optimizers (Metz et al. 2020, Sec. 4): quadratics, digits
 MLPs and a digits convnet, their families, and ``as_task_family`` (one ``Task`` as a family). The
 ``Task`` and ``TaskFamily`` protocols they implement live in :mod:`carlskit.lopt._protocols`.
 
