@@ -16,7 +16,7 @@ _EXPORTS = {
     "connect": "carlskit.cluster",
     "devices": "carlskit.cluster",
     "KnowledgeBank": "carlskit.bank",
-    "CheckpointStore": "carlskit.training",
+    "CheckpointStore": "carlskit.checkpoints",
     "Trainer": "carlskit.training",
     "BankNegatives": "carlskit.training",
     "BankEmbedding": "carlskit.training",
@@ -38,7 +38,8 @@ _EXPORTS = {
     "ServiceGaveUpError": "carlskit._errors",
     "WorkerLostError": "carlskit._errors",
 }
-_SUBPACKAGES = ("bank", "cluster", "data", "lopt", "makers", "moe", "paradigms", "summaries", "training", "widgets")
+_SUBPACKAGES = ("bank", "checkpoints", "cluster", "data", "lopt", "makers", "moe", "paradigms", "summaries",
+                "training", "widgets")
 
 __all__ = [*_EXPORTS, *_SUBPACKAGES]
 
@@ -46,12 +47,13 @@ if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit import widgets
     from carlskit._errors import CorruptFileError, ServiceGaveUpError, WorkerLostError
     from carlskit.bank import KnowledgeBank
+    from carlskit.checkpoints import CheckpointStore
     from carlskit.cluster import RestartPolicy, connect, devices
     from carlskit.lopt import LearnedOptimizer, MetaTraining
     from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker, NeighborMaker
     from carlskit.moe import MoEModel, TranslationModel
     from carlskit.summaries import SummaryReader, SummaryWriter
-    from carlskit.training import BankEmbedding, BankEmbeddings, BankNegatives, CheckpointStore, Trainer
+    from carlskit.training import BankEmbedding, BankEmbeddings, BankNegatives, Trainer
 
 
 def __getattr__(name: str) -> Any:

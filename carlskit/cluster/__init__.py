@@ -1,13 +1,48 @@
 """Dask clusters for carlskit: connect from a notebook (embedded, remote, or heterogeneous worker
 groups), configure each worker for JAX from its own facts, list devices, place services, and the
-supervision layer every long-running service runs under (``RestartPolicy``)."""
+service kit every long-running service is built from.
+
+The service kit (one implementation of each, used by the bank, summaries, lopt, makers and
+training):
+
+- :class:`RestartPolicy` and :class:`Backoff`: exponential backoff with jitter, budgeted in seconds;
+- :class:`ServiceState` and its :class:`ServiceStatus` row (running, restarting, waiting, gave up,
+  stopped), read by :class:`carlskit.widgets.ClusterStatus` for every service, with the one
+  :func:`give_up_message`;
+- :class:`LongRunningTasks`: functions that loop until a :func:`stop_flag` is set, relaunched with
+  backoff on the live workers of their :class:`Placement`;
+- :class:`ActorHost`: one actor placed through :meth:`Placement.choose`, its loss told by state
+  (:func:`actor_lost`, :func:`is_worker_loss`), rebuilt on a live worker;
+- :func:`retry_on_worker_loss`: retry a call while it loses workers.
+"""
 
 from carlskit.cluster._connect import WorkerGroup, connect
-from carlskit.cluster._devices import DeviceReport, devices
+from carlskit.cluster._devices import DeviceReport, devices, worker_devices
 from carlskit.cluster._environment import JaxWorkerSetup, worker_environment
 from carlskit.cluster._loss import actor_lost, is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement
-from carlskit.cluster._supervised import RestartPolicy
+from carlskit.cluster._placement import NoWorkerError, Placement, is_accelerator
+from carlskit.cluster._service import (
+    ActorHost,
+    ServiceState,
+    ServiceStatus,
+    give_up_message,
+    retry_on_worker_loss,
+    worker_gone,
+)
+from carlskit.cluster._supervised import (
+    MAX_KEPT_ERRORS,
+    Backoff,
+    LongRunningTasks,
+    RestartPolicy,
+    ThreadStopFlag,
+    log_worker_event,
+    restart_policy,
+    secede_if_on_worker,
+    stop_flag,
+)
 
-__all__ = ["connect", "WorkerGroup", "devices", "DeviceReport", "JaxWorkerSetup", "worker_environment",
-           "Placement", "NoWorkerError", "RestartPolicy", "is_worker_loss", "actor_lost"]
+__all__ = ["connect", "WorkerGroup", "devices", "DeviceReport", "worker_devices", "JaxWorkerSetup",
+           "worker_environment", "Placement", "NoWorkerError", "is_accelerator", "RestartPolicy", "restart_policy",
+           "Backoff", "ServiceState", "ServiceStatus", "give_up_message", "ActorHost", "worker_gone",
+           "retry_on_worker_loss", "LongRunningTasks", "stop_flag", "ThreadStopFlag", "secede_if_on_worker",
+           "log_worker_event", "MAX_KEPT_ERRORS", "is_worker_loss", "actor_lost"]

@@ -30,7 +30,9 @@ class NoWorkerError(WorkerLostError):
     """No live worker matches a service's placement (yet): retried under its restart policy."""
 
 
-def _is_accelerator(resources: Mapping[str, float]) -> bool:
+def is_accelerator(resources: Mapping[str, float]) -> bool:
+    """Whether a worker offering ``resources`` (its Dask resources) is an accelerator worker
+    (a ``GPU``, ``TPU`` or ``accelerator`` resource > 0)."""
     return any(name.lower() in ACCELERATOR_RESOURCES and amount > 0 for name, amount in resources.items())
 
 
@@ -98,18 +100,24 @@ class Placement:
         chosen = sorted(address for address, info in workers.items() if self.matches(address, info))
         if self.restricted:
             return chosen
-        general = [address for address in chosen if not _is_accelerator(workers[address].get("resources") or {})]
+        general = [address for address in chosen if not is_accelerator(workers[address].get("resources") or {})]
         return general or chosen
 
-    def choose(self, client: Any, index: int = 0, exclude: Iterable[str] = ()) -> str:
-        """The ``index``-th candidate (round robin), avoiding ``exclude`` when another is live.
+    def choose(self, client: Any, index: int = 0, exclude: Iterable[str] = (),
+               load: Mapping[str, float] | None = None) -> str:
+        """The worker a service goes to: with ``load`` (address -> services it holds), the
+        least-loaded candidate (ties by address); else the ``index``-th (round robin). ``exclude``
+        (e.g. the worker just lost) is avoided when another candidate is live.
 
         Raises :class:`NoWorkerError` when no live worker matches.
         """
         candidates = self.candidates(client)
-        preferred = [address for address in candidates if address not in set(exclude)] or candidates
+        excluded = set(exclude)
+        preferred = [address for address in candidates if address not in excluded] or candidates
         if not preferred:
             raise NoWorkerError(f"no live worker matches the placement {self}")
+        if load is not None:
+            return min(preferred, key=lambda address: (load.get(address, 0), address))
         return preferred[index % len(preferred)]
 
     def __str__(self) -> str:

@@ -44,6 +44,7 @@ from carlskit._checks import finite_float, positive_float
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import is_worker_loss
 from carlskit.cluster._placement import NoWorkerError, Placement
+from carlskit.cluster._status import ServiceStatus, give_up_message
 
 logger = logging.getLogger("carlskit.cluster")
 MAX_KEPT_ERRORS = 100
@@ -361,8 +362,8 @@ class LongRunningTasks:
 
     def _give_up(self, key: str, reason: str) -> None:
         backoff = self._backoff[key]
-        message = (f"{self.name}: gave up {self.piece} {key} after {backoff.failures} failures in "
-                   f"{self.policy.budget_seconds:g} s (restart budget spent); last: {reason}")
+        message = give_up_message(self.name, f"{self.piece} {key}", backoff.failures, self.policy.budget_seconds,
+                                  reason)
         self.gave_up[key] = message
         self._running.pop(key, None)
         self._waiting.pop(key, None)
@@ -455,8 +456,9 @@ class LongRunningTasks:
         if self.gave_up:
             raise ServiceGaveUpError("; ".join(self.gave_up.values()))
 
-    def status(self) -> dict[str, dict[str, Any]]:
-        """Per piece: ``state`` (running, restarting, waiting (for a service ``hold`` names), gave up,
+    def status(self) -> dict[str, ServiceStatus]:
+        """Per piece, its :class:`~carlskit.cluster.ServiceStatus`: ``state`` (running, restarting,
+        waiting (for a service ``hold`` names), gave up,
         stopped), failures in its streak, seconds of restart budget left, the last reason it failed,
         its placement, and the worker running it (with a client)."""
         where: dict[str, str] = {}
@@ -483,9 +485,8 @@ class LongRunningTasks:
                     state, reason = "stopped", None
                 running = self._running.get(key)
                 worker = where.get(getattr(running, "key", None)) if self.client is not None else "this process"
-                report[key] = {"state": state, "failures": backoff.failures,
-                               "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": reason,
-                               "placement": str(self._specs[key][2]["placement"]), "worker": worker}
+                report[key] = ServiceStatus(state, backoff.failures, round(backoff.seconds_left(), 3), reason,
+                                            str(self._specs[key][2]["placement"]), worker)
             return report
 
     def stop(self, stop_flag: Any, timeout: float = 30.0) -> None:

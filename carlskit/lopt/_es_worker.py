@@ -9,7 +9,7 @@ pair diverged (``outer_loss`` NaN, zero gradient) is counted and logged, not put
 from the learner that do not fit ``rule`` end the loop with a ValueError naming the leaf. An
 exception raised while estimating is logged, counted and reported, and the loop continues; losing
 the learner or the store (their worker died) ends the loop with that error: its supervisor
-(``MetaTraining``'s :class:`carlskit.cluster._supervised.LongRunningTasks` with ``hold``) keeps it
+(``MetaTraining``'s :class:`carlskit.cluster.LongRunningTasks` with ``hold``) keeps it
 waiting, with no failure counted, until the learner is rebuilt, then relaunches it with the new
 actors (the next ``launch``: a stream of its own).
 """
@@ -24,7 +24,7 @@ from typing import Any
 import jax
 
 from carlskit._checks import integer, positive_float, positive_int
-from carlskit.cluster._supervised import log_worker_event, secede_if_on_worker
+from carlskit.cluster import log_worker_event, secede_if_on_worker
 from carlskit.lopt._checks import check_meta_params
 from carlskit.lopt._gradient_store import call
 from carlskit.lopt._inner import check_aggregation

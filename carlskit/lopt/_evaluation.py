@@ -14,12 +14,12 @@
   fail ``MAX_ATTEMPTS`` times, is recorded as failed (with the reason) and skipped; the newer and
   older intact ones go on.
 
-Evaluation workers are supervised (:mod:`carlskit.cluster._supervised`): a job lost with its worker
-(decided by type, :func:`carlskit.cluster._loss.is_worker_loss`) is not the checkpoint's fault, so it
-costs no attempt; the checkpoint's jobs run again after the delay of a :class:`Backoff` under the
-chief's :class:`RestartPolicy`, and only when worker losses go on for longer than its time budget
-does the chief give up (``status()["state"] == "gave up"``, :meth:`EvaluationChief.check` raises
-:class:`carlskit.ServiceGaveUpError`).
+Evaluation workers are supervised (the service kit of :mod:`carlskit.cluster`): a job lost with its
+worker (decided by type, :func:`carlskit.cluster.is_worker_loss`) is not the checkpoint's fault, so
+it costs no attempt; the checkpoint's jobs run again after the backoff delay of the chief's
+:class:`carlskit.cluster.ServiceState` under its :class:`RestartPolicy`, and only when worker losses
+go on for longer than its time budget does the chief give up (``supervision()["state"] == "gave
+up"``, :meth:`EvaluationChief.check` raises :class:`carlskit.ServiceGaveUpError`).
 
 Durable files are checksummed JSON (:func:`carlskit._serialization.dumps_checked_json`): a damaged
 state file raises :class:`carlskit.CorruptFileError` naming it; a damaged result file is set aside
@@ -43,16 +43,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from carlskit._checks import integer, positive_float, positive_int
-from carlskit._errors import CorruptFileError, ServiceGaveUpError
+from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json, unflatten_into
-from carlskit.cluster._loss import is_worker_loss
-from carlskit.cluster._placement import Placement
-from carlskit.cluster._supervised import Backoff, RestartPolicy
-from carlskit.cluster._supervised import restart_policy as restart_policy_of
+from carlskit.checkpoints import CheckpointStore
+from carlskit.cluster import Placement, RestartPolicy, ServiceState, ServiceStatus, is_worker_loss
+from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.lopt._inner import init_inner_state, inner_step
 from carlskit.lopt._outer import meta_params_structure
 from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
-from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.evaluation")
 
@@ -196,8 +194,9 @@ class EvaluationChief:
         self.jobs_run = 0
         self._attempts: dict[int, int] = {}
         self.worker_losses = 0  # jobs lost with their worker (retried, no attempt counted)
-        self.gave_up: str | None = None
-        self._loss_backoff = Backoff(policy)
+        self.service_state = ServiceState("evaluation chief", "the evaluation workers", policy,
+                                          placement=self.placement)
+        self.service_state.start()
         self._in_flight: dict[int, dict[tuple[str, int], Any]] = {}
         self._queue: list[tuple[int, str, int]] = []
         self._meta_leaves: dict[int, list[np.ndarray]] = {}
@@ -308,7 +307,7 @@ class EvaluationChief:
 
     def _submit_queued(self) -> None:
         running = sum(1 for jobs in self._in_flight.values() for job in jobs.values() if not job.done())
-        while self._queue and running < self.eval_workers and self._loss_backoff.ready():
+        while self._queue and running < self.eval_workers and self.service_state.ready():
             version, set_name, index = self._queue.pop(0)
             task_set = next(s for s in self.task_sets if s.name == set_name)
             arguments = (self.rule, self._meta_leaves[version], task_set.tasks[index], task_set.seed,
@@ -356,10 +355,7 @@ class EvaluationChief:
                 if is_worker_loss(error):  # not the checkpoint's fault: no attempt, retried under the policy
                     self.worker_losses += 1
                     self._attempts[version] = self._attempts.get(version, 1) - 1
-                    if self._loss_backoff.failure() is None:
-                        self._give_up(f"evaluation jobs kept being lost with their workers for "
-                                      f"{self._loss_backoff.policy.budget_seconds:g} s; last: "
-                                      f"{type(error).__name__}: {error}")
+                    if self.service_state.failed(error, "evaluation jobs kept being lost with their workers") is None:
                         return completed
                     logger.warning("evaluation job of checkpoint %d lost with its worker (%r); retrying",
                                    version, error)
@@ -377,7 +373,7 @@ class EvaluationChief:
                                               axis=0).tolist() for split in SPLITS} for s in self.task_sets}
             atomic_write(self._fs, str(self.result_path(version)),
                          dumps_checked_json({"version": version, "wall_time": time.time(), "curves": curves}))
-            self._loss_backoff.success()
+            self.service_state.recovered()
             self.corrupt_results.pop(version, None)
             self.evaluated.append(version)
             self._write_state()  # after the results: a crash in between re-evaluates, never skips
@@ -420,22 +416,18 @@ class EvaluationChief:
             raise ValueError("no checkpoint has been evaluated yet")
         return min(results, key=lambda v: float(np.mean(results[v][task_set][split])))
 
-    def _give_up(self, reason: str) -> None:
-        self.gave_up = f"evaluation chief gave up: {reason}"
-        logger.error(self.gave_up)
+    @property
+    def gave_up(self) -> str | None:
+        """The give-up message once worker losses outlasted the restart budget, else ``None``."""
+        return self.service_state.gave_up
 
     def check(self) -> None:
         """Raise :class:`carlskit.ServiceGaveUpError` if the chief gave up (workers kept being lost)."""
-        if self.gave_up is not None:
-            raise ServiceGaveUpError(self.gave_up)
+        self.service_state.check()
 
-    def supervision(self) -> dict[str, Any]:
-        """The evaluation workers' supervision state, as :meth:`LongRunningTasks.status` reports a piece."""
-        backoff = self._loss_backoff
-        state = "gave up" if self.gave_up else ("restarting" if backoff.failures else "running")
-        return {"state": state, "failures": backoff.failures,
-                "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": self.gave_up,
-                "worker_losses": self.worker_losses}
+    def supervision(self) -> ServiceStatus:
+        """The evaluation workers' :class:`carlskit.cluster.ServiceStatus` (with ``worker_losses``)."""
+        return self.service_state.status(worker_losses=self.worker_losses)
 
     def status(self) -> dict[str, Any]:
         with self._lock:

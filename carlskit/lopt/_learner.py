@@ -45,6 +45,7 @@ import numpy as np
 import optax
 
 from carlskit._checks import integer, positive_float, positive_int
+from carlskit.checkpoints import CheckpointStore
 from carlskit.lopt._checks import check_meta_params
 from carlskit.lopt._gradient_store import call
 from carlskit.lopt._outer import (
@@ -57,7 +58,6 @@ from carlskit.lopt._outer import (
 )
 from carlskit.lopt._protocols import UpdateRule
 from carlskit.lopt._rules import rule_to_config
-from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.learner")
 

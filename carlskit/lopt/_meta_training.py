@@ -11,16 +11,15 @@ this process. A driver thread here calls ``learner.update()`` in a loop. The ES 
 learner are the two halves of the outer core (:mod:`carlskit.lopt._outer`: ``worker_estimate``,
 ``learner_apply``) that ``LearnedOptimizer.meta_train`` runs in one process.
 
-Supervision (:mod:`carlskit.cluster._supervised`, one :class:`RestartPolicy` for every service, a
-budget in seconds, default 10 minutes; loss decided by type and actor state, never message text):
+Supervision (the service kit of :mod:`carlskit.cluster`: one :class:`RestartPolicy` for every
+service, a budget in seconds, default 10 minutes; loss decided by type and actor state, never
+message text):
 
-* **Learner and gradient store** (actors): when the learner's worker is lost
-  (:func:`carlskit.cluster._loss.actor_lost` on their futures, or their worker gone from the
-  scheduler), the driver rebuilds both, on any live worker, under a :class:`Backoff`: a failed
-  rebuild (no worker yet, checkpoints unreadable) is retried after its delay until the budget is
-  spent, then the learner is *given up*. The new learner resumes from the newest intact checkpoint
-  (:class:`Learner`), so the outer steps since that checkpoint are lost (at most
-  ``checkpoint_every_seconds`` of progress) and re-done; :attr:`recoveries` records each outage.
+* **Learner and gradient store** (two :class:`carlskit.cluster.ActorHost` s on one worker, driven
+  and supervised by :class:`~carlskit.lopt._learner_service.LearnerService`): when their worker is
+  lost they are rebuilt on a live worker under the learner's :class:`carlskit.cluster.ServiceState`
+  and resume from the newest intact checkpoint (at most ``checkpoint_every_seconds`` of progress
+  lost and re-done); :attr:`MetaTraining.recoveries` records each outage.
 * **ES workers** (:class:`LongRunningTasks` with ``hold``): while the learner is known to be down,
   an ES worker whose call on it fails *waits* (state ``"waiting"``): no failure counted, no relaunch
   against the dead actors; all are relaunched with the new actors as soon as the learner is back.
@@ -35,16 +34,12 @@ A service that gives up says so in :meth:`MetaTraining.status` (``services``, sh
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import html
 import logging
 import os
 import pathlib
-import sys
-import threading
 import time
-import traceback
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -54,23 +49,19 @@ import optax
 
 from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
-from carlskit.cluster import NoWorkerError, Placement, RestartPolicy, actor_lost, is_worker_loss
-from carlskit.cluster._supervised import MAX_KEPT_ERRORS, Backoff, LongRunningTasks, stop_flag
-from carlskit.cluster._supervised import restart_policy as restart_policy_of
+from carlskit.checkpoints import CheckpointStore
+from carlskit.cluster import LongRunningTasks, Placement, RestartPolicy, ServiceStatus, stop_flag
+from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.lopt._es_worker import ESWorkerConfig, run_es_worker
 from carlskit.lopt._evaluation import EvalTaskSet, EvaluationChief, default_eval_task_sets, load_meta_params_checkpoint
-from carlskit.lopt._gradient_store import GradientStore, call
-from carlskit.lopt._learner import Learner, load_newest_intact
+from carlskit.lopt._learner import load_newest_intact
+from carlskit.lopt._learner_service import LearnerService
 from carlskit.lopt._optimizer import LearnedOptimizer
 from carlskit.lopt._outer import outer_optimizer_of
 from carlskit.lopt._protocols import Task, TaskFamily
 from carlskit.lopt._tasks import as_task_family
-from carlskit.training import CheckpointStore
 
 logger = logging.getLogger("carlskit.lopt.meta_training")
-SERVICE_START_SECONDS = 120.0  # a learner's construction (JAX import, checkpoint load) on a fresh worker
-UPDATE_TIMEOUT_SECONDS = 60.0
-STATUS_TIMEOUT_SECONDS = 10.0  # status() is polled by widgets: never blocks them for long
 
 
 SERVICE_ROLES = ("learner", "es_workers", "eval_workers")
@@ -176,97 +167,38 @@ class MetaTraining:
         self._init_runtime_state()
 
     def _init_runtime_state(self) -> None:
-        """The services (none yet), their supervision state and the driver's, all stopped."""
-        self.learner: Any = None
-        self.gradient_store: Any = None
+        """The services (none yet), all stopped."""
+        self.learner_service = LearnerService(self.lopt.rule, self.checkpoint_path, self.learner_options,
+                                              self.client, self.placement["learner"], self.restart_policy)
         self.chief: EvaluationChief | None = None
-        self.learner_restarts = 0
-        self.learner_errors: collections.deque[str] = collections.deque(maxlen=MAX_KEPT_ERRORS)  # the last ones
-        self.learner_error_count = 0
         self.eval_results: dict[int, dict] = {}
-        self._actor_futures: list = []
-        self._services: tuple[Any, Any] = (None, None)  # (learner, store), swapped together on a rebuild
-        self._service_worker: str | None = None
-        self._service_address: str | None = None  # where the actors really are
-        self._learner_backoff = Backoff(self.restart_policy)
-        self._learner_state = "stopped"  # running, restarting, gave up, stopped
-        self._learner_reason: str | None = None
-        self.learner_gave_up: str | None = None
-        #: the learner's outer step as the driver last saw it (``None`` before the first update).
-        self.outer_step: int | None = None
-        #: one dict per learner outage: ``outer_step_before``, ``resumed_from``, ``outer_steps_lost``,
-        #: ``seconds`` (loss noticed -> learner rebuilt), ``attempts`` (rebuilds tried).
-        self.recoveries: list[dict[str, Any]] = []
-        self._outage: dict[str, Any] | None = None
-        self._driver_error: BaseException | None = None
-        self._halt = threading.Event()
         self._errors_reported = 0
         self._tasks: LongRunningTasks | None = None
         self._stop = None
-        self._driver: threading.Thread | None = None
-        self._driving = threading.Event()
+        self._running = False
         self._topic = f"carlskit-meta-training-{uuid.uuid4().hex[:8]}"
-        self._last_learner_status: dict = {}
         self._widgets: dict[str, Any] = {}
         self._launches: dict[int, int] = {}  # ES worker index -> launches so far (each its own stream)
 
-    # ------------------------------------------------------------------ services
-    def _workers(self) -> list[str]:
-        return sorted(self.client.scheduler_info(n_workers=-1)["workers"])
+    # ------------------------------------------------------------------ the learner, as before
+    learner = property(lambda self: self.learner_service.learner, doc="The learner (an actor with a client).")
+    gradient_store = property(lambda self: self.learner_service.gradient_store, doc="The gradient store.")
+    outer_step = property(lambda self: self.learner_service.outer_step,
+                          doc="The learner's outer step as the driver last saw it (``None`` before the first).")
+    recoveries = property(lambda self: self.learner_service.recoveries,
+                          doc="One dict per learner outage (see :class:`LearnerService`).")
+    learner_errors = property(lambda self: self.learner_service.errors, doc="The learner's last errors.")
+    learner_error_count = property(lambda self: self.learner_service.error_count)
+    learner_restarts = property(lambda self: self.learner_service.supervision.restarts)
+    learner_gave_up = property(lambda self: self.learner_service.supervision.gave_up,
+                               doc="The learner's give-up message, or ``None``.")
 
-    def _start_services(self) -> None:
-        """Create the gradient store and the learner (resuming from the latest checkpoint)."""
-        if self.client is None:
-            store = GradientStore()
-            learner = Learner(self.lopt.rule, store, self.checkpoint_path, **self.learner_options)
-            self._set_services(learner, store)
-            return
-        for future in self._actor_futures:
-            future.release()
-        self._actor_futures = []
-        workers = self.placement["learner"].candidates(self.client)
-        if not workers:  # retried under the backoff
-            raise NoWorkerError(f"no live worker to run the learner on (placement: {self.placement['learner']})")
-        self._service_worker = workers[0]
-        placement = dict(workers=[self._service_worker], allow_other_workers=False, pure=False)
-        store_future = self.client.submit(GradientStore, actor=True, key=f"gradient-store-{uuid.uuid4().hex[:8]}",
-                                          **placement)
-        self._actor_futures = [store_future]
-        store = store_future.result(timeout=SERVICE_START_SECONDS)
-        learner_future = self.client.submit(Learner, self.lopt.rule, store, self.checkpoint_path, actor=True,
-                                            key=f"learner-{uuid.uuid4().hex[:8]}", **placement,
-                                            **self.learner_options)
-        self._actor_futures.append(learner_future)
-        learner = learner_future.result(timeout=SERVICE_START_SECONDS)
-        holders = self.client.who_has(learner_future).get(learner_future.key) or ()
-        self._service_address = holders[0] if holders else None
-        self._set_services(learner, store)
-
-    def _set_services(self, learner: Any, store: Any) -> None:
-        self._services = (learner, store)
-        self.learner, self.gradient_store = learner, store
-
-    def _services_lost(self) -> bool:
-        """Are the learner's and store's actors gone? By their futures' state and the worker list."""
-        if self.client is None:
-            return False
-        if any(actor_lost(future) for future in self._actor_futures):
-            return True
-        return self._service_address is not None and self._service_address not in self._workers()
-
-    def _learner_down(self) -> str | None:
-        """Why ES workers must wait for the learner, or ``None`` when it is up (``hold`` of the workers)."""
-        if self._learner_state in ("restarting", "gave up"):
-            return f"the learner ({self._learner_state}: {self._learner_reason})"
-        if self._learner_state == "running" and self._services_lost():
-            return "the learner (its worker was lost)"
-        return None
-
+    # ------------------------------------------------------------------ ES workers
     def _es_worker_placement(self, index: int) -> list[str] | None:
         """ES worker ``index`` prefers the ``index``-th worker other than the learner's (round robin)."""
         if self.client is None:
             return None
-        others = [w for w in self.placement["es_workers"].candidates(self.client) if w != self._service_worker]
+        others = [w for w in self.placement["es_workers"].candidates(self.client) if w != self.learner_service.worker]
         return [others[index % len(others)]] if others else None
 
     def _worker_args(self, index: int):
@@ -275,7 +207,7 @@ class MetaTraining:
 
         def make_args() -> tuple:
             launch = self._launches[index] = self._launches.get(index, -1) + 1
-            return (index, *self._services, self.family, self.lopt.rule, self.worker_config,
+            return (index, self.learner, self.gradient_store, self.family, self.lopt.rule, self.worker_config,
                     self._stop, self._topic, self.logdir, None, launch)
 
         return make_args
@@ -283,14 +215,11 @@ class MetaTraining:
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> MetaTraining:
         """Start store, learner, ES workers, the learner's driver and the evaluation chief; returns self."""
-        if self._driver is not None:
+        if self._running:
             raise RuntimeError("this MetaTraining is already running; stop() it first")
         self.directory.mkdir(parents=True, exist_ok=True)
-        self._start_services()
-        self._learner_state, self._learner_reason, self.learner_gave_up = "running", None, None
-        self._learner_backoff = Backoff(self.restart_policy)
-        self._halt.clear()
-        self._driver_error = None
+        self.learner_service.start()
+        self._running = True
         self._stop = stop_flag(self.client, f"{self._topic}-stop")
         if self.evaluate:
             self.chief = EvaluationChief(
@@ -301,13 +230,11 @@ class MetaTraining:
                 placement=self.placement["eval_workers"])
             self.eval_results.update(self.chief.results())
         self._tasks = LongRunningTasks(self.client, f"es-worker-{self._topic[-8:]}", piece="worker",
-                                       on_poll=self._poll_chief, policy=self.restart_policy, hold=self._learner_down)
+                                       on_poll=self._poll_chief, policy=self.restart_policy,
+                                       hold=self.learner_service.down)
         for index in range(self.num_workers):
             self._tasks.launch(str(index), run_es_worker, self._worker_args(index),
                                workers=self._es_worker_placement(index), placement=self.placement["es_workers"])
-        self._driving.set()
-        self._driver = threading.Thread(target=self._drive_learner, name="meta-training-learner", daemon=True)
-        self._driver.start()
         return self
 
     def _poll_chief(self) -> None:
@@ -320,110 +247,22 @@ class MetaTraining:
         if widget is not None:
             widget.add({version: curves})
 
-    def _drive_learner(self) -> None:
-        try:
-            self._drive()
-        except BaseException as error:  # a bug of the driver itself: never silent, raised by wait()
-            self._driver_error = error
-            self._record_learner_error(f"driver failed: {type(error).__name__}: {error}\n{traceback.format_exc()}")
-            logger.exception("meta-training driver failed")
-
-    def _drive(self) -> None:
-        """Update the learner in a loop; rebuild it (with backoff, within the budget) when it is lost."""
-        while self._driving.is_set():
-            if self._learner_state == "restarting":
-                if not self._rebuild_services():
-                    return
-                continue
-            try:
-                result = call(self.learner, "update", timeout=UPDATE_TIMEOUT_SECONDS)
-            except Exception as error:
-                if not self._driving.is_set() or (self.client is not None and self.client.status != "running"):
-                    return
-                # Lost (decided by type, or by the actors' state): rebuild. Any other error is the
-                # learner's own: the same learner is asked again after the backoff delay; if the
-                # actors turn out lost by then (their state lags the first error), they are rebuilt.
-                if is_worker_loss(error) or self._services_lost():
-                    self._begin_outage(error)
-                if not self._learner_failed(error, "update"):
-                    return
-                continue
-            self._learner_backoff.success()
-            self.outer_step = int(result["outer_step"])
-            if not result["taken"]:
-                time.sleep(0.01)
-
-    def _begin_outage(self, error: BaseException) -> None:
-        self._learner_state, self._learner_reason = "restarting", f"{type(error).__name__}: {error}"
-        self._outage = {"outer_step_before": self.outer_step, "started": time.monotonic(), "attempts": 0}
-        logger.warning("learner lost (%s): rebuilding it from its latest checkpoint", self._learner_reason)
-
-    def _rebuild_services(self) -> bool:
-        """One try at rebuilding store and learner; returns False when the driver must end."""
-        outage = self._outage if self._outage is not None else {"outer_step_before": self.outer_step,
-                                                                 "started": time.monotonic(), "attempts": 0}
-        outage["attempts"] += 1
-        try:
-            self._start_services()
-            resumed_from = call(self.learner, "status", timeout=UPDATE_TIMEOUT_SECONDS)["resumed_from"]
-        except Exception as error:  # no worker yet, checkpoints unreadable, the new worker lost too...
-            if not self._driving.is_set():
-                return False
-            self._learner_reason = f"rebuild failed: {type(error).__name__}: {error}"
-            return self._learner_failed(error, "rebuild")
-        before = outage["outer_step_before"]
-        record = {"outer_step_before": before, "resumed_from": resumed_from,
-                  "outer_steps_lost": None if before is None or resumed_from is None else before - resumed_from,
-                  "seconds": round(time.monotonic() - outage["started"], 3), "attempts": outage["attempts"]}
-        self.recoveries.append(record)
-        self.learner_restarts += 1
-        self._outage = None
-        self._learner_state, self._learner_reason = "running", None
-        logger.warning("learner rebuilt from checkpoint %s after %.1f s", resumed_from, record["seconds"])
-        return True
-
-    def _learner_failed(self, error: BaseException, where: str) -> bool:
-        """Record a failure of the learner and wait its backoff delay; False once its budget is spent."""
-        self._record_learner_error(f"{where}: {type(error).__name__}: {error}\n{traceback.format_exc()}")
-        logger.error("learner %s failed: %r", where, error)
-        delay = self._learner_backoff.failure()
-        if delay is None:
-            self.learner_gave_up = (f"meta-training: gave up the learner after {self._learner_backoff.failures} "
-                                    f"failures in {self.restart_policy.budget_seconds:g} s (restart budget spent); "
-                                    f"last: {where}: {type(error).__name__}: {error}")
-            self._learner_state, self._learner_reason = "gave up", self.learner_gave_up
-            logger.error(self.learner_gave_up)
-            print(self.learner_gave_up, file=sys.stderr, flush=True)
-            return False
-        self._halt.wait(delay)
-        return self._driving.is_set()
-
-    def _record_learner_error(self, message: str) -> None:
-        self.learner_errors.append(message)
-        self.learner_error_count += 1
-
     def stop(self, timeout: float = 60.0, *, evaluate_final: bool = True) -> None:
         """Stop the workers and the driver, checkpoint the learner's latest meta-parameters, evaluate
         that final checkpoint (``evaluate_final``, waiting up to ``timeout``), and stop the chief.
         Checkpoints not evaluated yet are left for the next chief over the same directory."""
-        if self._driver is None:
+        if not self._running:
             return
         try:
             if self._tasks is not None:
                 self._tasks.stop(self._stop, timeout)
         finally:
-            self._driving.clear()
-            self._halt.set()
-            self._driver.join(timeout)
-            if self._learner_state != "gave up":
-                self._learner_state = "stopped"
-            self._driver = None
+            self.learner_service.stop(timeout)
+            self._running = False
             try:
-                self._stop_services(timeout, evaluate_final)
+                self.learner_service.close(timeout)
             finally:
-                for future in self._actor_futures:
-                    future.release()
-                self._actor_futures = []
+                self._stop_chief(timeout, evaluate_final)
         for widget in self._widgets.values():  # a last refresh showing the final state, then stop
             for method in ("update", "refresh", "stop"):
                 if hasattr(widget, method):
@@ -432,16 +271,8 @@ class MetaTraining:
         if getattr(self, "_dashboard", None) is not None:  # the saved output shows that final state
             self._dashboard.show_final_frame()
 
-    def _stop_services(self, timeout: float, evaluate_final: bool) -> None:
-        """Close the learner (a last checkpoint), evaluate that checkpoint, close the chief: each step
-        whatever the previous one raised (errors are recorded and logged, never stop the shutdown)."""
-        try:
-            if self.learner_gave_up is not None:
-                raise ServiceGaveUpError(self.learner_gave_up)
-            self._last_learner_status = call(self.learner, "status", timeout=timeout)
-            call(self.learner, "close", timeout=timeout)
-        except Exception as error:  # its worker may be gone; the checkpoints on disk remain
-            self._record_learner_error(f"close failed: {error!r}")
+    def _stop_chief(self, timeout: float, evaluate_final: bool) -> None:
+        """Evaluate the final checkpoint and close the chief, whatever the evaluation raised."""
         if self.chief is None:
             return
         try:
@@ -463,8 +294,9 @@ class MetaTraining:
             reasons.append(self.chief.gave_up)
         if reasons:
             raise ServiceGaveUpError("; ".join(reasons))
-        if self._driver_error is not None:
-            raise RuntimeError(f"the meta-training driver failed: {self._driver_error!r}") from self._driver_error
+        error = self.learner_service.driver_error
+        if error is not None:
+            raise RuntimeError(f"the meta-training driver failed: {error!r}") from error
 
     def wait(self, outer_step: int | None = None, timeout: float | None = None, *,
              poll_seconds: float = 0.1) -> int | None:
@@ -484,11 +316,12 @@ class MetaTraining:
         try:
             while True:
                 self.check()
-                if self._driver is None or (outer_step is not None and (self.outer_step or 0) >= outer_step):
+                if not self._running or (outer_step is not None and (self.outer_step or 0) >= outer_step):
                     return self.outer_step
                 if deadline is not None and time.monotonic() > deadline:
+                    states = {name: row["state"] for name, row in self.services().items()}
                     raise TimeoutError(f"outer step {outer_step} not reached within {timeout:g} s "
-                                       f"(at {self.outer_step}; services: {self._service_states()})")
+                                       f"(at {self.outer_step}; services: {states})")
                 time.sleep(poll_seconds)
         finally:
             self._warn_recovered_errors()
@@ -503,37 +336,21 @@ class MetaTraining:
                           f"see status()['services'], learner_errors and the ES workers' errors",
                           RuntimeWarning, stacklevel=3)
 
-    def _service_states(self) -> dict[str, str]:
-        return {name: info["state"] for name, info in self.services().items()}
-
-    def services(self) -> dict[str, dict[str, Any]]:
-        """Supervision state per service: ``state`` (running, restarting, waiting, gave up, stopped),
-        ``failures`` in the current streak, ``budget_left_seconds`` and the last ``reason``."""
-        backoff = self._learner_backoff
-        report = {"learner": {"state": self._learner_state, "failures": backoff.failures,
-                              "budget_left_seconds": round(backoff.seconds_left(), 3), "reason": self._learner_reason,
-                              "restarts": self.learner_restarts, "placement": str(self.placement["learner"]),
-                              "worker": self._service_address}}
+    def services(self) -> dict[str, ServiceStatus]:
+        """Supervision state per service (a :class:`carlskit.cluster.ServiceStatus` each): ``state``
+        (running, restarting, waiting, gave up, stopped), ``failures`` in the current streak,
+        ``budget_left_seconds`` and the last ``reason``."""
+        report = {"learner": self.learner_service.row()}
         if self._tasks is not None:
-            for key, info in self._tasks.status().items():
-                report[f"es worker {key}"] = dict(info)
+            report.update({f"es worker {key}": row for key, row in self._tasks.status().items()})
         if self.chief is not None:
-            report["evaluation"] = {**self.chief.supervision(), "placement": str(self.placement["eval_workers"])}
+            report["evaluation"] = self.chief.supervision()
         return report
 
     # ------------------------------------------------------------------ results
     def learner_status(self) -> dict[str, Any]:
         """The learner's figures (outer step, gradients/s, staleness histogram, dropped fraction...)."""
-        if self._driver is None:
-            return dict(self._last_learner_status)
-        down = self._learner_down()
-        if down is not None:  # no call on actors known to be gone: the last figures, and why
-            return {**self._last_learner_status, "error": f"waiting for {down}"}
-        try:
-            self._last_learner_status = call(self.learner, "status", timeout=STATUS_TIMEOUT_SECONDS)
-        except Exception as error:
-            return {**self._last_learner_status, "error": repr(error)}
-        return dict(self._last_learner_status)
+        return self.learner_service.status()
 
     def status(self) -> dict[str, Any]:
         """One dict for ``ClusterStatus``: the services' supervision state (``services``), learner,
@@ -545,14 +362,7 @@ class MetaTraining:
                                                     "applied", "rejected", "latest_checkpoint",
                                                     "mean_update_seconds")}
         report["staleness_counts"] = learner.get("staleness_counts")
-        try:
-            if self._driver is not None and self._learner_down() is not None:
-                report["store"] = "down with the learner"
-            else:
-                report["store"] = call(self.gradient_store, "status", timeout=STATUS_TIMEOUT_SECONDS) \
-                    if self.gradient_store else None
-        except Exception as error:
-            report["store"] = repr(error)
+        report["store"] = self.learner_service.store_status()
         report["es_workers"] = self.num_workers
         report["es_workers_running"] = len(self._tasks.running()) if self._tasks is not None else 0
         report["worker_restarts"] = self._tasks.restarts if self._tasks is not None else 0
@@ -611,7 +421,7 @@ class MetaTraining:
         staleness = StalenessHistogram(self.learner_status, self.learner_options["max_staleness"],
                                        every_seconds=every_seconds)
         self._widgets.update(live=live, eval_curves=curves, status=board, staleness=staleness)
-        if self._driver is not None:  # refresh while training runs, displayed or not
+        if self._running:  # refresh while training runs, displayed or not
             live.start()
             board.start()
         self._dashboard = Panels([live, staleness, curves, board])
@@ -624,6 +434,6 @@ class MetaTraining:
         return f"<b>MetaTraining</b> {html.escape(str(self.directory))}<table>{rows}</table>"
 
     def __repr__(self) -> str:
-        state = "running" if self._driver is not None else "stopped"
+        state = "running" if self._running else "stopped"
         return (f"<MetaTraining {state}: {self.num_workers} ES workers, {self.eval_workers} eval workers, "
-                f"outer step {self._last_learner_status.get('outer_step')}>")
+                f"outer step {self.learner_service.last_status.get('outer_step')}>")

@@ -36,16 +36,16 @@ import numpy as np
 
 from carlskit._checks import instance, positive_float, positive_int
 from carlskit._errors import ServiceGaveUpError
-from carlskit.cluster._placement import Placement
-from carlskit.cluster._supervised import (
+from carlskit.checkpoints import CheckpointStore, restore_model
+from carlskit.cluster import (
     LongRunningTasks,
+    Placement,
     RestartPolicy,
     log_worker_event,
     secede_if_on_worker,
     stop_flag,
 )
-from carlskit.cluster._supervised import restart_policy as as_restart_policy
-from carlskit.training._checkpoint import CheckpointStore, restore_model
+from carlskit.cluster import restart_policy as as_restart_policy
 
 logger = logging.getLogger("carlskit.makers")
 

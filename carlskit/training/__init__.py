@@ -5,7 +5,7 @@ The trainer's jitted step (``carlskit/_step.py``: the loss's gradient with respe
 :meth:`carlskit.moe.MoEModel.fit` takes too. Widgets (the live plot) are imported only when a fit displays them.
 """
 
-from carlskit.training._checkpoint import CheckpointStore, restore_model
+from carlskit.checkpoints import CheckpointStore, restore_model
 from carlskit.training._embeddings import BankEmbedding, BankEmbeddings
 from carlskit.training._knowledge import BankNegatives, MinedLabels, NeighborKnowledge, check_embedding_dim
 from carlskit.training._losses import (

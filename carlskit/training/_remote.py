@@ -29,9 +29,7 @@ from typing import Any
 import jax
 
 from carlskit._notebook import step_done
-from carlskit.cluster._loss import is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement, _is_accelerator
-from carlskit.cluster._supervised import Backoff, restart_policy
+from carlskit.cluster import NoWorkerError, Placement, is_accelerator, retry_on_worker_loss
 
 REPORT_SECONDS = 0.5
 #: what ``Trainer.last_placement`` records of the worker (besides its address and ``resumed_from``)
@@ -62,13 +60,13 @@ def trainer_candidates(client: Any, placement: Placement, accelerators_only: boo
         return placement.candidates(client)
     workers = client.scheduler_info(n_workers=-1)["workers"]
     if accelerators_only:
-        return sorted(a for a, info in workers.items() if _is_accelerator(info.get("resources") or {}))
+        return sorted(a for a, info in workers.items() if is_accelerator(info.get("resources") or {}))
     return sorted(workers)
 
 
 def any_accelerator_worker(client: Any) -> bool:
     workers = client.scheduler_info(n_workers=-1)["workers"].values()
-    return any(_is_accelerator(info.get("resources") or {}) for info in workers)
+    return any(is_accelerator(info.get("resources") or {}) for info in workers)
 
 
 def _fit_on_this_worker(shipped: _Shipped, data: Any, target_step: int) -> dict:
@@ -77,7 +75,7 @@ def _fit_on_this_worker(shipped: _Shipped, data: Any, target_step: int) -> dict:
     from distributed import Event, Queue, get_client, get_worker
     from flax import nnx
 
-    from carlskit.cluster._devices import worker_devices
+    from carlskit.cluster import worker_devices
     from carlskit.training._trainer import Trainer
 
     worker = get_worker()
@@ -126,33 +124,27 @@ def fit_on_worker(trainer: Any, client: Any, data: Any, steps: int, placement: P
     shipped = _Shipped(trainer._graphdef, jax.device_get(trainer.checkpoint_tree()), trainer.optimizer_transform,
                        trainer.loss_fn, trainer.knowledge, trainer.checkpoints, trainer.checkpoint_every,
                        trainer.prefetch, start_step, name)
-    backoff = Backoff(restart_policy(policy))
     received: dict[int, dict] = {}
     missing_before = getattr(trainer.knowledge, "missing_total", None)
     accelerators_only = not placement.restricted and any_accelerator_worker(client)
-    try:
-        while True:
-            try:
-                candidates = trainer_candidates(client, placement, accelerators_only)
-                if not candidates:
-                    raise NoWorkerError(f"no live worker matches the trainer's placement ({placement})")
-                # Sent once per try, straight to the chosen workers (the model, its optimizer state and
-                # the data's arrays can be tens of MB): not through the scheduler in the task graph.
-                parts = client.scatter([shipped, data], workers=candidates, hash=False)
-                future = client.submit(_fit_on_this_worker, *parts, target, workers=candidates,
-                                       allow_other_workers=False, pure=False, key=f"{name}-{uuid.uuid4().hex[:6]}")
-                result = _follow(trainer, client, future, candidates, queue, received, stop, remote_stop, bar, plot)
-                break
-            except BaseException as error:  # noqa: BLE001 - only a lost worker is retried
-                if not is_worker_loss(error):
-                    raise
-                delay = backoff.failure()
-                if delay is None:
-                    raise RuntimeError(f"training on a worker ({placement}) gave up: workers kept being lost for "
-                                       f"{backoff.policy.budget_seconds:g} s; last: {type(error).__name__}: "
-                                       f"{error}") from error
-                trainer.remote_restarts += 1
-                time.sleep(delay)
+
+    def attempt() -> dict:
+        candidates = trainer_candidates(client, placement, accelerators_only)
+        if not candidates:
+            raise NoWorkerError(f"no live worker matches the trainer's placement ({placement})")
+        # Sent once per try, straight to the chosen workers (the model, its optimizer state and
+        # the data's arrays can be tens of MB): not through the scheduler in the task graph.
+        parts = client.scatter([shipped, data], workers=candidates, hash=False)
+        future = client.submit(_fit_on_this_worker, *parts, target, workers=candidates,
+                               allow_other_workers=False, pure=False, key=f"{name}-{uuid.uuid4().hex[:6]}")
+        return _follow(trainer, client, future, candidates, queue, received, stop, remote_stop, bar, plot)
+
+    def count_restart(error: BaseException, delay: float) -> None:
+        trainer.remote_restarts += 1
+
+    try:  # a lost worker (by type) is retried under the trainer's policy; ServiceGaveUpError once spent
+        result = retry_on_worker_loss(attempt, policy=policy, what=f"training on a worker ({placement})",
+                                      on_retry=count_restart)
     finally:
         bar.close()
     trainer.adopt(result["state"], result["step"])

@@ -24,9 +24,9 @@ from carlskit._checks import instance, positive_int
 from carlskit._notebook import in_notebook, progress_bar, step_done
 from carlskit._step import make_train_step
 from carlskit.bank import ShardLostError
-from carlskit.cluster._placement import Placement
-from carlskit.cluster._supervised import restart_policy as restart_policy_of
-from carlskit.training._checkpoint import CheckpointStore
+from carlskit.checkpoints import CheckpointStore
+from carlskit.cluster import Placement
+from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.training._embeddings import BankEmbeddings, bank_embeddings_of
 from carlskit.training._knowledge import with_bank_recovery
 from carlskit.training._pipeline import Batch, Prefetcher

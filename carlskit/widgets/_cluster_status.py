@@ -33,6 +33,14 @@ def _source_status(source: StatusSource) -> dict[str, Any]:
     return dict(report)
 
 
+def _service_row(name: str, item: Mapping[str, Any]) -> dict[str, Any]:
+    """One table row per service: a :class:`carlskit.cluster.ServiceStatus` (every carlskit
+    service's row), or a plain dict of the same columns from a source of one's own."""
+    from carlskit.cluster import ServiceStatus  # the widgets import no cluster code until a board is drawn
+
+    return item.row(name) if isinstance(item, ServiceStatus) else {"service": name, **dict(item)}
+
+
 def _gave_up(table: list[dict]) -> list[str]:
     return [str(row.get("service")) for row in table if row.get("state") == "gave up"]
 
@@ -46,8 +54,9 @@ class ClusterStatus(WidgetDisplay):
     future components plug in the same way. In a section, a value that is a list of dicts is shown
     as a table, anything else as a ``key: value`` row. A failing source shows its error instead of
     breaking the board. A ``"services"`` (or ``"health"``) entry mapping each service to its
-    supervision state (``{"learner": {"state": "restarting", ...}}``) is a table with one row per
-    service, and services that ``"gave up"`` are named in red above it.
+    supervision state (a :class:`carlskit.cluster.ServiceStatus` each, or a dict of the same
+    columns: ``{"learner": {"state": "restarting", ...}}``) is a table with one row per service,
+    and services that ``"gave up"`` are named in red above it.
 
     Args:
       client: a ``distributed.Client`` or ``None`` (this process only).
@@ -150,7 +159,7 @@ class ClusterStatus(WidgetDisplay):
         for key, value in report.items():
             if key in SERVICE_KEYS and isinstance(value, Mapping) and value and all(
                     isinstance(item, Mapping) for item in value.values()):
-                tables[key] = [{"service": name, **dict(item)} for name, item in value.items()]
+                tables[key] = [_service_row(name, item) for name, item in value.items()]
             elif isinstance(value, Sequence) and not isinstance(value, str) and value and all(
                     isinstance(item, Mapping) for item in value):
                 tables[key] = [dict(item) for item in value]

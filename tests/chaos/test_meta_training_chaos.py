@@ -50,7 +50,7 @@ def outer_step(training):
 
 
 def kill_learner_worker(client, training):
-    address = training._service_address
+    address = training.learner_service.worker
     os.kill(client.run(os.getpid, workers=[address])[address], signal.SIGKILL)
     return time.monotonic()
 

@@ -85,7 +85,7 @@ def test_stop_closes_the_chief_even_when_the_final_evaluation_fails(tmp_path):
     training = MetaTraining(LearnableAdam(), TASK, None, directory=tmp_path, num_workers=1, **options).start()
     chief = training.chief
     training.stop(timeout=30)  # the final checkpoint's evaluation fails: stop() still finishes
-    assert training._driver is None and training._actor_futures == []
+    assert not training.learner_service.driving
     assert 0 in chief.failed and "NotImplementedError" in chief.failed[0]
     with pytest.raises(RuntimeError, match="shutdown"):
         chief._pool.submit(print)  # closed: its thread pool takes no more jobs
@@ -114,7 +114,7 @@ def test_cluster_survives_killing_an_es_worker_and_the_learner(tmp_path, no_left
                    == {"shape": 1, "non_finite": 1})
 
         es_worker = processing_worker(client, "es-worker")
-        assert es_worker != training._service_worker, "ES workers avoid the learner's worker"
+        assert es_worker != training.learner_service.worker, "ES workers avoid the learner's worker"
         os.kill(client.run(os.getpid, workers=[es_worker])[es_worker], signal.SIGKILL)
         before = outer_step(training)
         wait_until(lambda: outer_step(training) >= before + 3, seconds=120)
@@ -122,7 +122,7 @@ def test_cluster_survives_killing_an_es_worker_and_the_learner(tmp_path, no_left
             "the learner kept its state while the ES worker was replaced"
 
         latest = training.checkpoints().latest()
-        service = training._service_worker
+        service = training.learner_service.worker
         os.kill(client.run(os.getpid, workers=[service])[service], signal.SIGKILL)
         wait_until(lambda: training.learner_restarts >= 1 and outer_step(training) > latest + 2, seconds=120)
         resumed_from = training.learner_status()["resumed_from"]
