@@ -372,7 +372,8 @@ class MetaTraining:
         report["services"] = services
         if self.chief is not None:
             report["evaluation"] = self.chief.status()
-        report["families"] = [{"task_family": name, **values}
+        monitored = {row["task_family"]: row for row in learner.get("families") or []}
+        report["families"] = [{**monitored.get(name, {}), "task_family": name, **values}
                               for name, values in (learner.get("family_losses") or {}).items()]
         return report
 
