@@ -42,7 +42,8 @@ class EmbeddingMaker:
     level function or ``functools.partial``); ``encode(model, features) -> {table: [n, dim]}``
     (or one array, written to ``table``). ``features`` is one array [n, ...] or, for several
     inputs per item (e.g. two modalities), a dict of them, each [n, ...]; ``encode`` then receives
-    the dict of each batch's rows. Items are encoded in batches of ``batch_size``.
+    the dict of each batch's rows. Items are encoded in batches of ``batch_size``; each batch is
+    one chunk of the maker's CPU budget (``Maker(..., max_cpu_fraction=f)`` sleeps after it).
     """
 
     def __init__(self, model_factory: Callable[[], nnx.Module], encode: Callable,
@@ -102,6 +103,7 @@ class EmbeddingMaker:
                 encoded = {self.table: encoded}
             for name, values in encoded.items():
                 outputs.setdefault(name, []).append(np.asarray(values))
+            context.pace()  # a batch is one chunk of the maker's CPU budget (Maker's max_cpu_fraction)
         return {name: np.concatenate(parts) for name, parts in outputs.items()}
 
 

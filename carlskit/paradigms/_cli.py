@@ -137,6 +137,11 @@ def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
                             help=f"nodes per walk (default: {config['walk_length']})")
         parser.add_argument("--steps", type=_count(1), default=None,
                             help="steps per trainer (default: --epochs passes over its pairs)")
+        parser.add_argument("--dim", type=_count(1), default=None,
+                            help=f"embedding width of both tables (default: {config['dim']})")
+        parser.add_argument("--initial-accumulator-value", type=float, default=None,
+                            help=f"the tables' Adagrad accumulator at a new row (default: "
+                                 f"{config['initial_accumulator_value']})")
     elif paradigm == "gnn":
         config = config_defaults(paradigm, "GNNConfig")
         _data_option(parser, digits=False)

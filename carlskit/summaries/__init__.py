@@ -1,4 +1,4 @@
-"""Summaries (Metz et al. 2022, Appendix H.1): batched, sampled logging to aggregators sharded by
+"""Summaries (Metz et al. 2020, Appendix H.1): batched, sampled logging to aggregators sharded by
 summary name, a checksummed append-only file format, and an incremental reader.
 
 The file format is specified in :mod:`carlskit.summaries._format` and docs/summaries_format.md.

@@ -1,6 +1,6 @@
 """``SummaryWriter``: batched, sampled summary logging, direct to files or through sharded aggregators.
 
-Metz et al. 2022 (learned optimizers at scale), Appendix H.1: training workers send summaries in
+Metz et al. 2020 ("Tasks, stability, architecture, and compute"), Appendix H.1: training workers send summaries in
 batched calls to aggregator services sharded by summary name, log stochastically (``sample_rate``)
 and keep subsampled copies for fast plotting.
 
