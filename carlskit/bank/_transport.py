@@ -6,7 +6,7 @@ routes keys to shards (``splitmix64(key) mod num_shards``), submits one call per
 calls on the direct ZeroMQ path of :mod:`carlskit.bank._direct` where the cluster speaks plain tcp,
 the rest through Dask's actor RPC; calls to different shards are issued together, then awaited),
 and collects the answers. A shard whose actor or worker is gone is recognised by type and actor
-state (:mod:`carlskit.cluster._loss`, never an error message) and raised as
+state (:func:`carlskit.cluster.is_worker_loss`, never an error message) and raised as
 :class:`ShardLostError`, saying which shards applied their part. :meth:`ShardSet.rebuild` starts a
 lost shard again on a live worker (what ``KnowledgeBank.recover`` fills from a snapshot).
 """

@@ -6,8 +6,8 @@ and keep subsampled copies for fast plotting.
 
 Delivery (issue 14): the writer keeps every batch of a shard until that shard's aggregator has
 acknowledged it (the acknowledgement is sent after the batch is in the aggregator's file). When an
-aggregator's worker dies, the writer recreates that aggregator on a live worker, under the
-supervision layer's :class:`~carlskit.cluster._supervised.Backoff`, and re-sends the batches it
+aggregator's worker dies, the writer rebuilds that aggregator on a live worker, under the
+service kit of :mod:`carlskit.cluster` (``summaries/_delivery.py``), and re-sends the batches it
 holds; the other shards are neither stopped nor re-sent to. A batch that was written but whose
 acknowledgement was lost with the worker is therefore written twice; every record carries the
 writer's id and the batch's sequence number, and :class:`~carlskit.summaries.SummaryReader` keeps
