@@ -26,7 +26,7 @@ from carlskit.bank._direct import DirectCall, DirectPath, DirectPathLost, Direct
 from carlskit.bank._hashing import shard_of
 from carlskit.bank._shard import _Shard
 from carlskit.bank._snapshot import run_parallel
-from carlskit.cluster import Placement, actor_lost, is_worker_loss, worker_gone
+from carlskit.cluster import ActorHost, Placement, actor_lost, is_worker_loss, worker_gone
 
 #: Short batch methods run on the worker's event loop (``separate_thread=False``): this saves a
 #: thread hand-off per call. Long ones (nearest, sample, stats, snapshots) keep Dask's actor thread.
@@ -352,18 +352,27 @@ class ShardSet:
         """Start lost ``shard`` again, empty, on a live worker of the placement; ``fill(actor)``
         restores its contents before it replaces the lost one (and the set is published again,
         if it was). Returns (worker, what ``fill`` returned)."""
-        worker = self._pick_worker(lost)
-        future = self._start_actor(shard, worker)
-        actor = future.result()
-        filled = fill(actor)
-        address = actor.open_direct_path().result() if self.direct is not None else None
-        old = self.futures[shard]
-        self.shards[shard], self.futures[shard], self.workers[shard] = actor, future, worker
+        # The kit's ActorHost builds it on the chosen worker; once filled it replaces the lost one,
+        # whose future the host releases (a failed fill drops the new actor and keeps the shard lost).
+        host = ActorHost(self.client, self.placement, f"bank-shard-{shard}")
+        host.future, host.worker = self.futures[shard], self.workers[shard]
+        creating = host.submit(_Shard, shard, len(self.workers), self.clock, worker_process=True,
+                               worker=self._pick_worker(lost))
+        try:
+            new = creating.result()
+            filled = fill(new)
+            address = new.open_direct_path().result() if self.direct is not None else None
+        except BaseException:
+            host.creating = None
+            creating.release()
+            raise
+        actor = host.adopt(timeout=None)
+        worker = host.worker
+        self.shards[shard], self.futures[shard], self.workers[shard] = actor, host.future, worker
         if self.direct is not None:
             addresses = list(self.direct.addresses)
             addresses[shard] = address
             self.direct = DirectPath(addresses)
-        old.release()
         if self.published is not None:
             self.publish(self.published)
         return worker, filled

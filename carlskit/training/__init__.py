@@ -7,7 +7,8 @@ The trainer's jitted step (``carlskit/_step.py``: the loss's gradient with respe
 :meth:`carlskit.moe.MoEModel.fit` takes too. Widgets (the live plot) are imported only when a fit displays them.
 """
 
-from carlskit.checkpoints import CheckpointStore, restore_model
+from carlskit.checkpoints import CheckpointStore as CheckpointStore  # re-exported (documented in checkpoints)
+from carlskit.checkpoints import restore_model as restore_model
 from carlskit.training._embeddings import BankEmbedding, BankEmbeddings
 from carlskit.training._knowledge import BankNegatives, MinedLabels, NeighborKnowledge, check_embedding_dim
 from carlskit.training._losses import (
@@ -20,7 +21,9 @@ from carlskit.training._losses import (
 from carlskit.training._pipeline import Prefetcher
 from carlskit.training._trainer import FitHandle, Trainer
 
-__all__ = ["CheckpointStore", "restore_model", "BankEmbedding", "BankEmbeddings",
+# CheckpointStore and restore_model stay importable from here (and carlskit.CheckpointStore); they
+# are documented once, in carlskit.checkpoints, so they are not in this __all__.
+__all__ = ["BankEmbedding", "BankEmbeddings",
            "BankNegatives", "MinedLabels", "NeighborKnowledge",
            "check_embedding_dim", "graph_regularization", "info_nce", "masked_cross_entropy", "pairwise_distance",
            "select_mined_labels", "Prefetcher", "FitHandle", "Trainer"]
