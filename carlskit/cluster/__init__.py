@@ -21,22 +21,14 @@ from carlskit.cluster._devices import DeviceReport, devices, worker_devices
 from carlskit.cluster._environment import JaxWorkerSetup, worker_environment
 from carlskit.cluster._loss import actor_lost, is_worker_loss
 from carlskit.cluster._placement import NoWorkerError, Placement, is_accelerator
-from carlskit.cluster._service import (
-    ActorHost,
-    ServiceState,
-    ServiceStatus,
-    give_up_message,
-    retry_on_worker_loss,
-    worker_gone,
-)
+from carlskit.cluster._policy import Backoff, RestartPolicy, restart_policy
+from carlskit.cluster._service import ActorHost, retry_on_worker_loss, worker_gone
+from carlskit.cluster._status import ServiceState, ServiceStatus, give_up_message
 from carlskit.cluster._supervised import (
     MAX_KEPT_ERRORS,
-    Backoff,
     LongRunningTasks,
-    RestartPolicy,
     ThreadStopFlag,
     log_worker_event,
-    restart_policy,
     secede_if_on_worker,
     stop_flag,
 )

@@ -31,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import random
 import sys
 import threading
 import time
@@ -40,108 +39,15 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from carlskit._checks import finite_float, positive_float
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import is_worker_loss
 from carlskit.cluster._placement import NoWorkerError, Placement
-from carlskit.cluster._status import ServiceStatus, give_up_message
+from carlskit.cluster._policy import Backoff, RestartPolicy, restart_policy  # noqa: F401 - importable from here too
+from carlskit.cluster._status import ServiceState, ServiceStatus
 
 logger = logging.getLogger("carlskit.cluster")
 #: Errors a service keeps (the last ones; ``error_count`` counts all), so a crash loop cannot fill memory.
 MAX_KEPT_ERRORS = 100
-
-
-@dataclasses.dataclass(frozen=True)
-class RestartPolicy:
-    """How a failing service is restarted: exponential backoff with jitter, budgeted in seconds.
-
-    The ``n``-th consecutive failure waits ``min(max_delay_seconds, initial_delay_seconds *
-    multiplier ** (n - 1)) * (1 - jitter * U)``, ``U ~ Uniform[0, 1)``, before the next try (jitter
-    keeps many workers that lost the same dependency from retrying in lockstep). Failures are given
-    up once ``budget_seconds`` have passed since the first failure of the streak; a piece that runs
-    ``healthy_after_seconds`` without failing (or reports progress) ends the streak.
-
-    Defaults: retry for 10 minutes, at most 15 s apart; a worker replaced by its nanny (seconds to
-    a minute) or a learner rebuilt from its checkpoint is waited for, not given up.
-    """
-
-    budget_seconds: float = 600.0
-    initial_delay_seconds: float = 0.25
-    max_delay_seconds: float = 15.0
-    multiplier: float = 2.0
-    jitter: float = 0.5
-    healthy_after_seconds: float = 30.0
-
-    def __post_init__(self) -> None:
-        for field in ("budget_seconds", "initial_delay_seconds", "max_delay_seconds", "healthy_after_seconds"):
-            positive_float(getattr(self, field), field)
-        if positive_float(self.multiplier, "multiplier") < 1.0:
-            raise ValueError(f"multiplier must be >= 1, got {self.multiplier!r}")
-        if not 0.0 <= finite_float(self.jitter, "jitter") < 1.0:
-            raise ValueError(f"jitter must be in [0, 1), got {self.jitter!r}")
-        if self.max_delay_seconds < self.initial_delay_seconds:
-            raise ValueError(f"max_delay_seconds ({self.max_delay_seconds}) must be >= initial_delay_seconds "
-                             f"({self.initial_delay_seconds})")
-
-    def delay(self, failures: int, rng: random.Random) -> float:
-        """Seconds to wait after the ``failures``-th consecutive failure (``failures >= 1``)."""
-        exponent = min(max(failures - 1, 0), 64)  # no float overflow however long the streak
-        base = min(self.max_delay_seconds, self.initial_delay_seconds * self.multiplier ** exponent)
-        return base * (1.0 - self.jitter * rng.random())
-
-
-def restart_policy(value: RestartPolicy | float | None, name: str = "restart_policy") -> RestartPolicy:
-    """``value`` as a policy: a policy, a budget in seconds, or ``None`` for the defaults."""
-    if value is None:
-        return RestartPolicy()
-    if isinstance(value, RestartPolicy):
-        return value
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"{name} must be a RestartPolicy or a budget in seconds, got {type(value).__name__}")
-    return RestartPolicy(budget_seconds=positive_float(value, name))
-
-
-class Backoff:
-    """One service's failure streak under a :class:`RestartPolicy` (thread-safe).
-
-    ``failure()`` records a failure and returns the delay before the next try, or ``None`` once the
-    budget is spent (give up); ``success()`` ends the streak; ``ready()`` says whether the delay of
-    the last failure has passed.
-    """
-
-    def __init__(self, policy: RestartPolicy, clock: Callable[[], float] = time.monotonic,
-                 seed: int | None = None) -> None:
-        self.policy, self.clock = policy, clock
-        self._rng = random.Random(seed)
-        self._lock = threading.Lock()
-        self.failures = 0  # in the current streak
-        self.streak_started: float | None = None
-        self.retry_at = 0.0
-
-    def failure(self) -> float | None:
-        with self._lock:
-            now = self.clock()
-            if self.streak_started is None:
-                self.streak_started = now
-            self.failures += 1
-            if now - self.streak_started >= self.policy.budget_seconds:
-                return None
-            delay = self.policy.delay(self.failures, self._rng)
-            self.retry_at = now + delay
-            return delay
-
-    def success(self) -> None:
-        with self._lock:
-            self.failures, self.streak_started, self.retry_at = 0, None, 0.0
-
-    def ready(self) -> bool:
-        return self.clock() >= self.retry_at
-
-    def seconds_left(self) -> float:
-        """Seconds of the budget left in the current streak (the whole budget when healthy)."""
-        if self.streak_started is None:
-            return self.policy.budget_seconds
-        return max(self.policy.budget_seconds - (self.clock() - self.streak_started), 0.0)
 
 
 def secede_if_on_worker() -> None:
@@ -236,7 +142,7 @@ class LongRunningTasks:
         self._running: dict[str, Any] = {}
         self._started_at: dict[str, float] = {}
         self._waiting: dict[str, str] = {}  # key -> reason, relaunched when its backoff allows
-        self._backoff: dict[str, Backoff] = {}
+        self._service: dict[str, ServiceState] = {}  # key -> its state machine (backoff, give-up message)
         self._allowed: dict[str, set[str]] = {}  # key -> the worker addresses its placement resolved to
         self._live: set[str] | None = None
         self._stopping = False
@@ -253,14 +159,17 @@ class LongRunningTasks:
         stay off accelerator workers when there are others. ``workers`` are preferred, not required.
         """
         with self._lock:
-            self._specs[key] = (fn, make_args, {"workers": workers, "placement": placement or Placement()})
-            self._backoff[key] = Backoff(self.policy)
+            placement = placement or Placement()
+            self._specs[key] = (fn, make_args, {"workers": workers, "placement": placement})
+            service = self._service[key] = ServiceState(self.name, f"{self.piece} {key}", self.policy,
+                                                        placement=placement)
+            service.start()
             self.gave_up.pop(key, None)
             try:
                 self._start(key)
             except NoWorkerError as error:  # its workers are not up yet: retried like any failure
                 self.record_error(f"{self.piece} {key} launch", error)
-                self._backoff[key].failure()
+                service.failed(error)
                 self._waiting[key] = f"{type(error).__name__}: {error}"
         if self._supervisor is None:
             self._supervisor = threading.Thread(target=self._supervise, name=f"{self.name}-supervisor", daemon=True)
@@ -282,6 +191,7 @@ class LongRunningTasks:
                 self._allowed.pop(key, None)
         arguments = make_args()
         self._waiting.pop(key, None)
+        self._service[key].resumed()
         self._started_at[key] = time.monotonic()
         if self.client is None:
             outcome: dict = {}
@@ -361,15 +271,15 @@ class LongRunningTasks:
         logger.error(message)
         print(message, file=sys.stderr, flush=True)
 
-    def _give_up(self, key: str, reason: str) -> None:
-        backoff = self._backoff[key]
-        message = give_up_message(self.name, f"{self.piece} {key}", backoff.failures, self.policy.budget_seconds,
-                                  reason)
-        self.gave_up[key] = message
+    def _failed(self, key: str, reason: str) -> bool:
+        """Count a failure of piece ``key`` (its :class:`ServiceState`); give it up once its budget is
+        spent (the state logged and printed the one give-up message). Whether it will be relaunched."""
+        if self._service[key].failed(reason) is not None:
+            self._waiting[key] = reason
+            return True
+        message = self.gave_up[key] = self._service[key].gave_up
         self._running.pop(key, None)
         self._waiting.pop(key, None)
-        logger.error(message)
-        print(message, file=sys.stderr, flush=True)
         if self.on_give_up is not None:
             try:
                 self.on_give_up(key, message)
@@ -388,10 +298,10 @@ class LongRunningTasks:
             now = time.monotonic()
             for key in list(self._running):
                 done, error, trace = self._finished(key)
-                backoff = self._backoff[key]
+                service = self._service[key]
                 if not done:
-                    if backoff.failures and now - self._started_at[key] >= self.policy.healthy_after_seconds:
-                        backoff.success()  # ran long enough: a new streak (and budget) next time
+                    if service.backoff.failures and now - self._started_at[key] >= self.policy.healthy_after_seconds:
+                        service.recovered()  # ran long enough: a new streak (and budget) next time
                     continue
                 del self._running[key]
                 error = error if error is not None else PieceEndedError(f"{self.piece} {key} ended")
@@ -402,24 +312,20 @@ class LongRunningTasks:
                     self.held_endings += 1
                     self._held.add(key)
                     self._waiting[key] = reason
-                elif backoff.failure() is None:
-                    self._give_up(key, reason)
+                    service.wait(f"waiting for {held}; ended with {reason}")
                 else:
-                    self._waiting[key] = reason
+                    self._failed(key, reason)
             for key in list(self._waiting):
                 if held is not None:
                     continue  # relaunched once the service is back, not against a dead one
-                if key in self._held or self._backoff[key].ready():
+                if key in self._held or self._service[key].ready():
                     self._held.discard(key)
                     self.restarts += 1
                     try:
                         self._start(key)
                     except Exception as error:  # e.g. make_args() needs a service that is still down
                         self.record_error(f"{self.piece} {key} relaunch", error, traceback.format_exc())
-                        if self._backoff[key].failure() is None:
-                            self._give_up(key, f"{type(error).__name__}: {error}")
-                        else:
-                            self._waiting[key] = f"{type(error).__name__}: {error}"
+                        self._failed(key, f"{type(error).__name__}: {error}")
                         continue
                     relaunched.append(key)
         return relaunched
@@ -472,7 +378,6 @@ class LongRunningTasks:
         with self._lock:
             report = {}
             for key in self._specs:
-                backoff = self._backoff[key]
                 if key in self.gave_up:
                     state, reason = "gave up", self.gave_up[key]
                 elif key in self._waiting and (key in self._held or self._hold_reason is not None):
@@ -486,8 +391,7 @@ class LongRunningTasks:
                     state, reason = "stopped", None
                 running = self._running.get(key)
                 worker = where.get(getattr(running, "key", None)) if self.client is not None else "this process"
-                report[key] = ServiceStatus(state, backoff.failures, round(backoff.seconds_left(), 3), reason,
-                                            str(self._specs[key][2]["placement"]), worker)
+                report[key] = dataclasses.replace(self._service[key].status(worker), state=state, reason=reason)
             return report
 
     def stop(self, stop_flag: Any, timeout: float = 30.0) -> None:

@@ -313,13 +313,13 @@ class Delivery:
                 return
             shard.owned, shard.needs_new_aggregator = True, False
             shard.service.restarts += 1
-            shard.service.state = "running"  # acknowledged batches end the failure streak (_acknowledged)
+            shard.service.resumed()  # acknowledged batches end the failure streak (_acknowledged)
             return
         if not shard.service.ready():
             return
         if not shard.needs_new_aggregator:
             if not self._gone(shard):
-                shard.service.state = "running"  # call the same aggregator again
+                shard.service.resumed()  # call the same aggregator again
                 return
             shard.needs_new_aggregator = True
         try:
