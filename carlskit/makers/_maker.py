@@ -403,7 +403,8 @@ class Maker:
         """Per slice: supervision ``state`` (running, restarting, gave up, stopped), ``version``,
         ``lag`` (intact checkpoints published since), items/s, ``restarts``, ``worker``, ``skipped``
         (damaged checkpoints: ``{version: reason}``), ``running_since`` (wall time its current run
-        started); plus the maker's restarts and errors."""
+        started); plus the maker's restarts and errors, and each slice's
+        :class:`carlskit.cluster.ServiceStatus` (``services``, the rows ``ClusterStatus`` shows)."""
         published = self._store.versions() if self._store is not None else []
         supervision = self._tasks.status() if self._tasks is not None else self._supervision
         slices = []
@@ -430,7 +431,8 @@ class Maker:
                     "reason": watched.get("reason"),
                 })
         return {"name": self.name, "slices": slices, "restarts": self.restarts,
-                "errors": [e for _, e in self.errors], "gave_up": list(self.gave_up.values())}
+                "errors": [e for _, e in self.errors], "gave_up": list(self.gave_up.values()),
+                "services": {f"slice {key}": row for key, row in supervision.items()}}
 
     def __repr__(self) -> str:
         status = self.status()
