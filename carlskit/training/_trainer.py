@@ -411,7 +411,8 @@ class Trainer:
             kind = TypeError if isinstance(error, TypeError) else ValueError  # jax subclasses take other args
             raise kind(f"step {self.step + 1} failed on the batch {shapes} (nothing was applied): "
                        f"{error}") from error
-        loss, finite, row_gradients = jax.device_get((loss, finite, row_gradients))  # the step's one host sync
+        # the step's one host sync, metrics included (one transfer, not one per metric)
+        loss, finite, row_gradients, metrics = jax.device_get((loss, finite, row_gradients, metrics))
         loss = float(loss)
         if self.check_finite and not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
             raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
