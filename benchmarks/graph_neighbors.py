@@ -435,7 +435,7 @@ def gnn_main(num_nodes: int, workers: int, small: bool, max_cpu_fraction: float,
         print(json.dumps(results))
         return
     batch_size = 128
-    window_steps, repeats = (50, 1) if small else (200, 3)
+    window_steps, repeats = (50, 1) if small else (200, 5)
     client = None
     if workers > 0:
         from carlskit.cluster import connect

@@ -20,9 +20,11 @@ def test_variants_are_interleaved_in_rotated_order_after_one_warmup_each():
 
 def test_a_ratio_is_the_median_of_per_repeat_ratios_with_its_spread():
     # The load doubles in the second repeat: both variants slow down, their ratio does not move.
-    samples = {"large": [2.0, 4.0, 2.2], "small": [1.0, 2.0, 1.0]}
+    samples = {"large": [2.0, 4.0, 2.2, 2.0, 30.0], "small": [1.0, 2.0, 1.0, 1.0, 1.0]}
+    # per-repeat ratios 2, 2, 2.2, 2, 30: median 2, quartiles 2 and 2.2; the one outlier does not count
     assert timing.ratio(samples, "large", "small", "r") == pytest.approx({"r": 2.0, "r_spread": 0.1})
     assert timing.medians(samples) == {"large": 2.2, "small": 1.0}
+    assert timing.ratio({"a": [3.0], "b": [1.5]}, "a", "b", "r") == {"r": 2.0, "r_spread": 0.0}
 
 
 def test_a_variant_returning_no_float_is_timed_by_wall_clock():
