@@ -24,7 +24,9 @@ Layout: :class:`KnowledgeBank` (``_bank``) is a facade that validates every call
 - ``_transport``: the shard set (``ShardSet``): where the shards live (in-process objects or Dask
   actors), routing keys to shards, submitting one call per shard and collecting the answers (direct
   ZeroMQ path of ``_direct`` or Dask's actor RPC), lost shards recognised by type
-  (:mod:`carlskit.cluster._loss`) as :class:`ShardLostError`, and a lost shard started again;
+  (:func:`carlskit.cluster.is_worker_loss`, :func:`carlskit.cluster.actor_lost`) as
+  :class:`ShardLostError`, and a lost shard started again on the least-loaded live worker
+  (:meth:`carlskit.cluster.Placement.choose`);
 - ``_snapshot``: the snapshot format, save, load, manifest validation, where a lost shard is
   rebuilt from (its write-ahead log in ``_wal``) and the bank's automatic snapshots
   (``BankSnapshots``);
@@ -33,9 +35,11 @@ Layout: :class:`KnowledgeBank` (``_bank``) is a facade that validates every call
 """
 
 from carlskit.bank._bank import KnowledgeBank
+from carlskit.bank._config import EmbeddingTableConfig, FeatureTableConfig, TableConfig
 from carlskit.bank._hashing import key_from_string
 from carlskit.bank._lazy import CombinedGradients, adagrad_step, combine_gradients, sgd_step
 from carlskit.bank._transport import BankFuture, ShardLostError
 
-__all__ = ["KnowledgeBank", "BankFuture", "ShardLostError", "key_from_string", "combine_gradients",
+__all__ = ["KnowledgeBank", "EmbeddingTableConfig", "FeatureTableConfig", "TableConfig", "BankFuture",
+           "ShardLostError", "key_from_string", "combine_gradients",
            "CombinedGradients", "sgd_step", "adagrad_step"]

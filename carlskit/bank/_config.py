@@ -160,6 +160,11 @@ class FeatureTableConfig(TableConfig):
         return {"kind": self.kind, "schema": {field: [dtype, width]
                                               for field, dtype, width in self.schema}}
 
+    @property
+    def fields(self) -> dict[str, tuple[str, int]]:
+        """``{field: (dtype name, width)}`` in schema order (a new dict)."""
+        return {field: (dtype, width) for field, dtype, width in self.schema}
+
     def __post_init__(self) -> None:
         if isinstance(self.schema, tuple):  # already checked (a copy: dataclasses.replace)
             object.__setattr__(self, "schema", {f: (d, w) for f, d, w in self.schema})

@@ -176,7 +176,7 @@ def parse_arguments(paradigm: str, argv: Sequence[str] | None = None) -> argpars
     parser = paradigm_parser(paradigm)
     args = parser.parse_args(argv)
     if hasattr(args, "data") and not (paradigm == "graph_reg" and args.data == "digits"):  # gam, gnn need a graph
-        from carlskit.data._datasets import DatasetNotFoundError, resolve_planetoid  # numpy, not JAX
+        from carlskit.data import DatasetNotFoundError, resolve_planetoid  # numpy, not JAX
 
         try:
             args.data = str(resolve_planetoid(args.data))
