@@ -17,8 +17,10 @@ paper's DeepWalk row (Yang et al. 2016, table 2: Cora 67.2, Citeseer 43.2).
 
 Several trainers (``--trainers N`` with ``--workers >= N``): each trains on the walks that start at
 its share of the nodes, on its own Dask worker, and all share the two tables in the bank, whose
-lazy update (``max_pending > 1``) combines their gradients; summed (``combine="sum"``, the default
-here), as the skip-gram loss is a sum over pairs.
+lazy update (``max_pending > 1``) combines their gradients: averaged (``combine="mean"``, CARLS;
+give it about twice immediate application's learning rate, as the loss is a sum over pairs) or
+summed (``combine="sum"``, the same rows as immediate SGD). Two trainers on Cora:
+``benchmarks/lazy_vs_immediate.py``.
 
 Command line (prints one JSON object as its last line)::
 
@@ -68,7 +70,7 @@ class NodeEmbeddingConfig:
     learning_rate: float = 0.05  # the bank tables' Adagrad
     initial_accumulator_value: float = 0.1
     max_pending: int = 1  # 1: a gradient is applied when it arrives; more: cached until the next lookup
-    combine: str = "sum"  # cached gradients of a row summed: the loss is a sum over pairs (carlskit.bank._lazy)
+    combine: str = "mean"  # with max_pending > 1: a row's cached gradients averaged (CARLS) or summed
     max_staleness: int = 1
 
 
