@@ -125,7 +125,7 @@ def translation_comparison(
             hypotheses = model.translate([t[1] for t in test], [t[0] for t in test], beam_size=beam_size)
             run.update(
                 parameters=int(sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-                history=history, train_seconds=history["seconds"][-1] if history["seconds"] else 0.0,
+                history=history, train_seconds=history[-1]["seconds"] if history else 0.0,
                 valid_loss=valid_loss, decode_seconds=time.perf_counter() - started,
                 scores=translation_scores(hypotheses, [t[2] for t in test], [t[0] for t in test]),
                 hypotheses=hypotheses, model=model,
