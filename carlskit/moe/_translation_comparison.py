@@ -73,6 +73,8 @@ def translation_comparison(
     """Train a dense model and MoE models (same per-token FLOPs, same batches, same steps, Adafactor)
     on X -> English for :func:`pick_languages` and English -> X for a few, and score greedy (or
     ``beam_size``) translations of the test split with sacrebleu, per tag.
+    The models of one seed are paired: the same batches in the same order and the same dropout and
+    routing random stream (their parameters differ, as their shapes do).
 
     Returns ``{"config", "languages", "tags", "train_sizes" (training pairs per tag), "runs"}``;
     each run: ``num_experts``, ``seed``, ``parameters``, ``history`` (the fit history),
