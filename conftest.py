@@ -7,15 +7,16 @@ Every notebook nbmake runs is also kept with its outputs in ``notebooks/executed
 folder where ``make lab`` keeps the last run), written atomically: the documentation site
 (``make docs``) renders the tutorials from those copies instead of running them a second time. A run
 whose saved outputs a reader could not see fails: a widget view without a static frame beside it (a
-PNG, HTML, or text that is more than the widget's repr), or a Python warning printed by a cell.
+PNG, HTML, or text that is more than the widget's repr), or a warning or anything else a cell
+printed to stderr (``tests/notebook_checks.py``, the checks the JupyterLab run applies too).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -32,25 +33,9 @@ atexit.register(shutil.rmtree, _IPYTHON, ignore_errors=True)
 )
 os.environ["IPYTHONDIR"] = str(_IPYTHON)
 
-
-_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
-_WIDGET_REPR = re.compile(r"^\w+\((children|value|layout|description)=")  # ipywidgets' own repr
-_PYTHON_WARNING = re.compile(r"\b\w*Warning: ")
-
-
-def unseen_outputs(notebook) -> list[str]:
-    """Cells whose saved outputs show nothing a reader can see in place of a widget, or print a warning."""
-    problems = []
-    for index, cell in enumerate(notebook.cells):
-        for output in cell.get("outputs", []):
-            data = output.get("data", {})
-            if _WIDGET_VIEW in data and not ({"text/html", "image/png"} & set(data)):
-                text = "".join(data.get("text/plain", ""))
-                if not text.strip() or _WIDGET_REPR.match(text):
-                    problems.append(f"cell {index}: a widget with no static frame ({text[:40]!r})")
-            if output.get("output_type") == "stream" and _PYTHON_WARNING.search("".join(output.get("text", ""))):
-                problems.append(f"cell {index}: a warning: {''.join(output['text'])[:200]!r}")
-    return problems
+if str(_TESTS) not in sys.path:  # for `pytest --nbmake notebooks` too
+    sys.path.insert(0, str(_TESTS))
+from notebook_checks import saved_problems  # noqa: E402
 
 
 def _keep_executed_copies() -> None:
@@ -72,8 +57,8 @@ def _keep_executed_copies() -> None:
         nbformat.write(result.nb, str(temporary))
         os.replace(temporary, target)
         if result.error is None:
-            unseen = unseen_outputs(result.nb)
-            assert not unseen, f"{source.name}: outputs a saved copy does not show: {unseen}"
+            problems = saved_problems(result.nb)
+            assert not problems, f"{source.name}: what its saved copy shows: {problems}"
         return result
 
     execute.keeps_executed_copy = True

@@ -1,6 +1,6 @@
 """A check on every table a notebook shows: unique column names, and no column without a value.
 
-Installed into the kernels that ``make test`` runs the notebooks in (nbmake), by an IPython startup
+Installed into the kernels that ``make test`` runs the notebooks in (JupyterLab's or nbmake's), by an IPython startup
 file that the repository's ``conftest.py`` puts in a session-scoped ``$IPYTHONDIR``: an AST
 transformer wraps each cell's last expression, the value Jupyter displays, in :func:`check_table`,
 so a bad table fails its notebook like any other error. This costs nothing extra (the notebooks run

@@ -10,12 +10,15 @@ import time
 import psutil
 
 
-def wait_for_no_children(before: set[int], seconds: float = 20.0) -> list[psutil.Process]:
-    """Wait until every child process not in ``before`` has exited; return those still alive."""
+def wait_for_no_children(before: set[int], seconds: float = 20.0, parent: psutil.Process | None = None
+                         ) -> list[psutil.Process]:
+    """Wait until every child process of ``parent`` (this one by default) not in ``before`` has exited;
+    return those still alive."""
     deadline = time.monotonic() + seconds
+    parent = parent or psutil.Process()
     while True:
         alive = []
-        for child in psutil.Process().children(recursive=True):
+        for child in parent.children(recursive=True):
             try:
                 if child.pid in before or child.status() == psutil.STATUS_ZOMBIE:
                     continue

@@ -2,9 +2,10 @@
 it has an API entry for every public name of every subpackage, and a real browser finds its way
 around it (search, a tutorial page with its plots, no console errors).
 
-The tutorials are rendered from ``notebooks/executed/`` (``make test`` runs the notebooks before
-the tests and keeps those copies); where 08's copy is missing or older than the notebook (a test
-run on its own), this test runs that one notebook first, so a page with plots always exists.
+The tutorials are rendered from ``notebooks/executed/`` (``make test`` runs the notebooks in
+JupyterLab, ``tests/notebooks/``, before this test, and keeps those copies); where 08's copy is
+missing or older than the notebook (a test run on its own), this test runs that one notebook
+first, so a page with plots always exists.
 """
 
 from __future__ import annotations

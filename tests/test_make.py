@@ -57,3 +57,10 @@ def test_the_license_is_an_spdx_string():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())
     assert project["project"]["license"] == "Apache-2.0"
     assert any(r.replace(" ", "").startswith("setuptools>=77") for r in project["build-system"]["requires"])
+
+
+def test_make_test_runs_the_notebooks_once(tmp_path):
+    """In JupyterLab (tests/notebooks/test_run_all_in_lab.py) where Chromium is installed, else through nbmake."""
+    command = [line for line in _dry_run("test", tmp_path / "venv").splitlines() if "-m pytest" in line]
+    assert len(command) == 1 and " tests " in command[0], command
+    assert ("--nbmake notebooks" in command[0]) != Path("/usr/bin/chromium").exists(), command

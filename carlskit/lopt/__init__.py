@@ -30,7 +30,8 @@ The layout, one concept per module:
   ``compare_to_tuned_adam`` (the per-problem table), ``final_loss``, ``geometric_mean_ratio``.
 * The meta-training cluster (Metz et al. 2020, App. H.1), the same core distributed: ES workers
   (``worker_estimate``) -> ``GradientStore`` -> ``Learner`` (``learner_apply``), driven and
-  supervised by ``MetaTraining``; ``EvaluationChief`` with ``EvalTaskSet``,
+  supervised by ``MetaTraining`` (the learner and its store are one service, ``_learner_service``,
+  built from :mod:`carlskit.cluster`'s service kit like every other); ``EvaluationChief`` with ``EvalTaskSet``,
   ``default_eval_task_sets`` and ``evaluation_curves`` (which run ``inner_step``).
 
 Nothing here imports ipywidgets, matplotlib or pandas at load: widgets (``carlskit.widgets``)

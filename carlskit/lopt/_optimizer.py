@@ -22,6 +22,8 @@ import optax
 
 from carlskit._checks import choice, integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
+from carlskit._history import History
+from carlskit._notebook import LoopDisplay
 from carlskit.lopt._checks import check_meta_params, check_real_floating, check_same_layout
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
@@ -64,7 +66,8 @@ class LearnedOptimizer:
         self.meta_params = meta_params
         self.train_horizon = train_horizon
         self.info = dict(info or {})
-        self.history: dict[str, list[float]] = {"step": [], "outer_loss": []}
+        #: ``meta_train``'s records, one per outer step: ``step``, ``outer_loss``, ``nan_fraction``
+        self.history = History()
 
     def __repr__(self) -> str:
         state = "untrained" if self.meta_params is None else f"{self.num_meta_params} meta-params"
@@ -204,7 +207,8 @@ class LearnedOptimizer:
         of ``truncation_length`` within episodes of ``horizon`` steps); ES unrolls ``horizon`` steps.
         Starts from ``meta_params``, else the held ones, else ``init(PRNGKey(seed))``. Shows a
         tqdm bar and, in a notebook (``live_plot=None``), a live outer-loss curve. Returns a new
-        ``LearnedOptimizer`` carrying the result and its ``history``.
+        ``LearnedOptimizer`` carrying the result and its ``history`` (a :class:`carlskit.History`:
+        one record per outer step, ``step`` counting from 1, ``outer_loss``, ``nan_fraction``).
 
         This is the meta-training cluster in one process: each outer step is the ES worker's
         :func:`~carlskit.lopt._outer.worker_estimate` then the learner's
@@ -229,9 +233,13 @@ class LearnedOptimizer:
             meta_params = self.init(init_key)
         config = LearnerConfig.of(self.rule, outer_optimizer_of(outer_optimizer, self.rule, meta_learning_rate))
         state, stream = config.init(self._resolve(meta_params)), OuterStream(family, key, seed)
-        display = MetaTrainDisplay(estimator, num_tasks, num_outer_steps, progress, live_plot, plot_every)
+        history = History()
+        display = LoopDisplay(history, num_outer_steps, f"meta-train ({estimator})", progress=progress,
+                              live=live_plot if live_plot is not None else (None if progress else False),
+                              curves=("outer_loss",), title=f"{estimator.upper()} meta-training, {num_tasks} tasks",
+                              postfix="outer_loss", plot_every=plot_every, plot_seconds=0.5)
         started = time.monotonic()
-        for outer_step in display.steps():
+        for outer_step in range(num_outer_steps):
             task, step_key, init_key = stream.next()
             record = worker_estimate(estimators, state.meta_params, task, step_key, state.outer_step,
                                      init_key=init_key)
@@ -240,65 +248,19 @@ class LearnedOptimizer:
             except FloatingPointError as error:
                 raise FloatingPointError(f"meta_train: {error} (outer step {outer_step}, "
                                          f"meta_learning_rate={meta_learning_rate})") from None
-            display.record(outer_step, record["outer_loss"], record["nan_fraction"])
+            history.append({"step": outer_step + 1, "outer_loss": record["outer_loss"],
+                            "nan_fraction": record["nan_fraction"]})
+            display.record(history[-1])
             if callback is not None:
                 callback(outer_step, {"outer_loss": record["outer_loss"], "nan_fraction": record["nan_fraction"]})
             if time_budget_s is not None and time.monotonic() - started > time_budget_s:
                 break
         display.close()
+        display.show_final_frames()
         trained = type(self).__new__(type(self))
         LearnedOptimizer.__init__(trained, self.rule, state.meta_params, horizon, self.info)
-        trained.history = display.history
+        trained.history = history
         return trained
-
-
-class MetaTrainDisplay:
-    """``meta_train``'s history, tqdm bar and (in a notebook, or with ``live_plot=True``) live
-    outer-loss curve; tqdm and the widgets are imported only here, when meta-training starts."""
-
-    def __init__(self, estimator: str, num_tasks: int, num_outer_steps: int, progress: bool,
-                 live_plot: bool | None, plot_every: int) -> None:
-        from carlskit._notebook import progress_bar
-
-        self.history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
-        self.num_outer_steps, self.plot_every = num_outer_steps, plot_every
-        self.bar, self._final_bar = progress_bar(num_outer_steps, f"meta-train ({estimator})", not progress)
-        self.live = None
-        if live_plot or (live_plot is None and progress):
-            from carlskit._notebook import in_notebook
-
-            if live_plot or in_notebook():
-                from IPython.display import display
-
-                from carlskit.widgets import LivePlot
-
-                self.live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
-                display(self.live)
-
-    def steps(self):
-        for step in range(self.num_outer_steps):
-            yield step
-            self.bar.update(1)
-
-    def record(self, outer_step: int, outer_loss: float, nan_fraction: float) -> None:
-        self.history["step"].append(outer_step)
-        self.history["outer_loss"].append(outer_loss)
-        self.history["nan_fraction"].append(nan_fraction)
-        self.bar.set_postfix(outer_loss=f"{outer_loss:.4f}")
-        if outer_step % self.plot_every == 0 or outer_step == self.num_outer_steps - 1:
-            self._plot()
-
-    def _plot(self) -> None:
-        if self.live is not None:
-            self.live.update({"outer loss": (self.history["step"], self.history["outer_loss"])}, force=True)
-
-    def close(self) -> None:
-        """The last plot; the bar closed; the saved outputs show both as they ended (main thread)."""
-        self._plot()
-        self.bar.close()
-        self._final_bar()
-        if self.live is not None:
-            self.live.show_final_frame()
 
 
 def _is_prng_key(key: Any) -> bool:
