@@ -106,17 +106,22 @@ from carlskit.lopt._tasks import (
     MLPTask,
     QuadraticFamily,
     QuadraticTask,
+    RescaledFamily,
+    RescaledTask,
     dataset_arrays,
     evaluation_problems,
     held_out_problems,
     meta_training_family,
+    validation_problems,
+    wide_meta_training_family,
 )
 
 __all__ = [
     "ADAM_LEARNING_RATES", "DATASETS", "AutoencoderFamily", "AutoencoderTask", "ConvFamily", "HierarchicalRule",
     "LinearRegressionFamily", "LinearRegressionTask", "MLPFamily", "MLPTask", "MixtureFamily",
     "WIDE_ADAM_LEARNING_RATES", "DeepLinearTask", "MatrixCompletionTask", "compare_at_horizons",
-    "evaluation_problems", "summarize_comparison", "compare_to_tuned_adam",
+    "evaluation_problems", "summarize_comparison", "RescaledFamily", "RescaledTask", "validation_problems",
+    "wide_meta_training_family", "compare_to_tuned_adam",
     "dataset_arrays", "final_loss", "geometric_mean_ratio", "held_out_problems",
     "meta_training_family", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet",
     "EvaluationChief",
