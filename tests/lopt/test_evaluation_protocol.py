@@ -106,7 +106,8 @@ def test_a_grid_whose_best_rate_is_at_an_edge_is_widened_until_inside():
 def test_horizons_and_the_verdict():
     task = DeepLinearTask(6, 2, 16)
     lopt = LearnableAdam(initial_learning_rate=0.01, train_horizon=20)
-    rows = compare_at_horizons(lopt, {"deep": task}, 20, (1, 3), num_instances=2)
+    rows = compare_at_horizons(lopt, {"deep": task}, 20, (1, 3), num_instances=2, learning_rates=(1e-2, 3e-2, 1e-1),
+                               widen=0)
     assert [r["horizon"] for r in rows] == [20, 60] and [r["multiple"] for r in rows] == [1, 3]
     verdict = summarize_comparison(rows)
     assert verdict["cases"] == 2 and verdict["worst_case"].startswith("deep @")
