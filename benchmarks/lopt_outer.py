@@ -18,7 +18,13 @@ Measured on the 2-core machine (2026-11-29, shared; medians of 5): split 14.7 /s
 before this change, run interleaved: 9.1 and 9.7); at load 3.3-3.7 (another engineer's job using
 2 cores) 8.0-8.1 /s against 4.6-6.4 on one device. Details: docs/notes/pes2_benchmarks.md.
 
-    python benchmarks/lopt_outer.py [--small]
+Cluster PES (issue 30): ``cluster_pes_steps_per_s_1`` / ``_2`` and ``cluster_pes_2_over_1``, the
+same PES outer step run by 1 and 2 ES workers of ``MetaTraining(estimator="pes")`` (each a Dask
+worker process, the learner in a third), counted as estimates the learner received per second.
+They come from ``benchmarks/meta_cluster.py --pes-only`` in a subprocess (its Dask workers must not
+import this script's JAX before carlskit configures them); ``--no-cluster`` skips them.
+
+    python benchmarks/lopt_outer.py [--small] [--no-cluster]
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 
 HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -45,6 +53,7 @@ REPEATS = 5
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
+    parser.add_argument("--no-cluster", action="store_true", help="skip the cluster PES figures")
     args = parser.parse_args()
     outer_steps = 2 if args.small else 8
     print(f"XLA_FLAGS={os.environ.get('XLA_FLAGS')!r}: {len(jax.local_devices())} local devices", flush=True)
@@ -113,7 +122,20 @@ def main() -> None:
         "device": str(jax.devices()[0].platform),
         "small": args.small,
     }
+    if not args.no_cluster:
+        result.update(cluster_pes(args.small))
     print(json.dumps(result))
+
+
+def cluster_pes(small: bool) -> dict:
+    """``benchmarks/meta_cluster.py --pes-only`` in a subprocess: its last line is the JSON figures."""
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "meta_cluster.py")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # workers: one host device each
+    print("cluster PES (1 and 2 ES workers) ...", flush=True)
+    done = subprocess.run([sys.executable, script, "--pes-only", *(["--small"] if small else [])], env=env,
+                          capture_output=True, text=True, check=True)
+    figures = json.loads(done.stdout.strip().splitlines()[-1])
+    return {k: v for k, v in figures.items() if k.startswith("cluster_pes")}
 
 
 if __name__ == "__main__":

@@ -86,13 +86,13 @@ def learner_overhead(rule, gradients_per_update: int, updates: int) -> float:
 
 
 def cluster_run(client, rule, task, *, num_workers, max_staleness, num_tasks, num_steps, window_seconds,
-                warmup_steps=3) -> dict:
+                warmup_steps=3, **estimator) -> dict:
     from carlskit.lopt import LearnedOptimizer, MetaTraining
 
     with tempfile.TemporaryDirectory() as directory:
         training = MetaTraining(LearnedOptimizer(rule), task, client, directory=directory, num_workers=num_workers,
                                 num_tasks=num_tasks, num_steps=num_steps, max_staleness=max_staleness,
-                                checkpoint_every_seconds=600.0, evaluate=False).start()
+                                checkpoint_every_seconds=600.0, evaluate=False, **estimator).start()
         try:
             wait_for(lambda: (training.learner_status().get("received") or 0) >= warmup_steps * num_workers, 600)
             time.sleep(1.0)  # every worker past its compilation
@@ -109,11 +109,45 @@ def cluster_run(client, rule, task, *, num_workers, max_staleness, num_tasks, nu
             / max(after["timed_updates"] - before["timed_updates"], 1)}
 
 
+def pes_scaling(small: bool, repeats: int) -> dict:
+    """Truncated PES on the ES workers, in ``benchmarks/lopt_outer.py``'s setting (MLPUpdateRule,
+    digits MLP 64-32-10 batch 128, 4 pairs, truncation 50 within episodes of 200): PES outer steps
+    (worker estimates received by the learner) per second with 1 and 2 ES workers, interleaved
+    ``repeats`` times, medians. Each ES worker is its own process, as the store and learner are."""
+    from carlskit.lopt import DigitsMLPTask, MLPUpdateRule
+
+    rule, task = MLPUpdateRule(), DigitsMLPTask((32,), "relu", 128)
+    options = dict(max_staleness=5, num_tasks=4, num_steps=200, estimator="pes", truncation_length=50,
+                   window_seconds=5.0 if small else 15.0)
+    client = carlskit.connect(n_workers=3, threads_per_worker=1)  # store+learner worker, 2 ES workers
+    rates: dict[int, list[float]] = {1: [], 2: []}
+    try:
+        print("warm-up: every worker process compiles the PES estimator once (not measured) ...", flush=True)
+        cluster_run(client, rule, task, num_workers=2, **{**options, "window_seconds": 1.0}, warmup_steps=3)
+        for repeat in range(repeats):
+            for workers in (1, 2):
+                rates[workers].append(cluster_run(client, rule, task, num_workers=workers, **options)["grads_per_s"])
+            print(f"repeat {repeat}: cluster PES outer steps/s, 1 worker {rates[1][-1]:.2f}, 2 workers "
+                  f"{rates[2][-1]:.2f} (load {os.getloadavg()[0]:.2f})", flush=True)
+    finally:
+        client.close()
+    one, two = float(np.median(rates[1])), float(np.median(rates[2]))
+    return {"cluster_pes_steps_per_s_1": round(one, 2), "cluster_pes_steps_per_s_2": round(two, 2),
+            "cluster_pes_2_over_1": round(two / max(one, 1e-9), 3),
+            "cluster_pes_2_over_1_spread": [round(b / max(a, 1e-9), 3) for a, b in zip(rates[1], rates[2])],
+            "cluster_pes_repeats": repeats}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", help="short windows (also CARLSKIT_SMALL=1)")
+    parser.add_argument("--pes-only", action="store_true", help="only the PES scaling figures (lopt_outer.py)")
     args = parser.parse_args()
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
+    if args.pes_only:
+        print(json.dumps({"benchmark": "meta_cluster_pes", "small": small,
+                          **pes_scaling(small, 1 if small else 3)}))
+        return
     from carlskit.lopt import MLPUpdateRule, QuadraticTask
 
     window = 6.0 if small else 20.0

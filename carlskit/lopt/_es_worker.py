@@ -36,7 +36,13 @@ logger = logging.getLogger("carlskit.lopt.workers")
 
 @dataclasses.dataclass(frozen=True)
 class ESWorkerConfig:
-    """What every ES worker estimates: ``num_tasks`` antithetic pairs, ``num_steps`` inner steps each."""
+    """What every ES worker estimates: ``num_tasks`` antithetic pairs, ``num_steps`` inner steps each.
+
+    ``estimator="pes"``: truncated PES instead of full unrolls, ``truncation_length`` inner steps
+    per estimate within episodes of ``num_steps`` (or log-uniform over ``[min_num_steps,
+    num_steps]``); each worker keeps the PES state of every task structure it met (persistent
+    per worker and task), so an outer step costs ``truncation_length`` inner steps whatever the horizon.
+    """
 
     num_tasks: int = 8
     num_steps: int = 50
@@ -44,6 +50,9 @@ class ESWorkerConfig:
     aggregation: str = "mean"
     put_every: int = 1
     seed: int = 0
+    estimator: str = "es"
+    truncation_length: int | None = None
+    min_num_steps: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_tasks", "num_steps", "put_every"):
@@ -51,6 +60,14 @@ class ESWorkerConfig:
         object.__setattr__(self, "std", positive_float(self.std, "std"))
         check_aggregation(self.aggregation)
         object.__setattr__(self, "seed", integer(self.seed, "seed", 0))
+        # Every PES option is checked where it is used, once: build (and drop) the estimators here.
+        self.estimators(None)
+
+    def estimators(self, rule: UpdateRule | None) -> Estimators:
+        """The worker's :class:`Estimators` for ``rule`` (``None``: only check the configuration)."""
+        return Estimators(rule, self.estimator, num_tasks=self.num_tasks, num_steps=self.num_steps,
+                          truncation_length=self.truncation_length, std=self.std, aggregation=self.aggregation,
+                          min_num_steps=self.min_num_steps)
 
 
 def report_event(topic: str, message: dict) -> None:
@@ -81,8 +98,7 @@ def run_es_worker(index: int, learner: Any, store: Any, family: TaskFamily, rule
     secede_if_on_worker()
     treedef, _ = meta_params_structure(rule)
     stream, rounds_at = OuterStream.for_worker(family, config.seed, index, launch), _Rounds()
-    estimators = Estimators(rule, "es", num_tasks=config.num_tasks, num_steps=config.num_steps, std=config.std,
-                            aggregation=config.aggregation)
+    estimators = config.estimators(rule)
     writer = None
     if logdir is not None:
         from carlskit.summaries import SummaryWriter
@@ -99,8 +115,9 @@ def run_es_worker(index: int, learner: Any, store: Any, family: TaskFamily, rule
             meta_params = jax.tree.unflatten(treedef, leaves)
             check_meta_params(rule, meta_params, "learner meta_params")
             try:
-                task, key, _ = stream.at(int(outer_step), rounds_at.at(int(outer_step)))
-                record = worker_estimate(estimators, meta_params, task, key, outer_step, worker=index)
+                task, key, init_key = stream.at(int(outer_step), rounds_at.at(int(outer_step)))
+                record = worker_estimate(estimators, meta_params, task, key, outer_step, init_key=init_key,
+                                         worker=index)
             except Exception as error:  # the worker's own failure: log it, count it, go on
                 errors += 1
                 logger.error("ES worker %d: %s", index, "".join(traceback.format_exception(error)))

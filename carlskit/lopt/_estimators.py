@@ -25,6 +25,7 @@ whose programs run on separate threads.
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -148,14 +149,29 @@ def _select(mask: jax.Array, on_true: PyTree, on_false: PyTree) -> PyTree:
     return jax.tree.map(pick, on_true, on_false)
 
 
+def sample_horizons(key: jax.Array, num_tasks: int, min_horizon: int, horizon: int,
+                    truncation_length: int) -> jax.Array:
+    """``[num_tasks]`` episode lengths, log-uniform over ``[min_horizon, horizon]`` and rounded up to
+    a multiple of ``truncation_length`` (so an episode ends at a truncation boundary)."""
+    log_length = jax.random.uniform(key, (num_tasks,), minval=math.log(min_horizon), maxval=math.log(horizon))
+    length = jnp.ceil(jnp.exp(log_length) / truncation_length) * truncation_length
+    return jnp.clip(length, truncation_length, horizon).astype(jnp.int32)
+
+
 @functools.partial(jax.jit, static_argnames=("rule", "task", "num_tasks", "horizon", "truncation_length",
-                                             "std", "aggregation"))
+                                             "std", "aggregation", "min_horizon"))
 def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: UpdateRule, task: Task,
                  num_tasks: int, horizon: int, truncation_length: int, std: float = 0.01,
-                 aggregation: str = "mean", time_scale: float = 1.0
+                 aggregation: str = "mean", time_scale: float = 1.0, min_horizon: int | None = None
                  ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
     """One PES outer step: restart finished tasks, unroll each pair ``truncation_length`` steps,
-    return ``(grad, new_state, metrics)``."""
+    return ``(grad, new_state, metrics)``.
+
+    ``min_horizon``: a restarted task's episode lasts a length drawn log-uniform over
+    ``[min_horizon, horizon]`` (:func:`sample_horizons`; Metz et al. 2020 and VeLO sample the
+    unroll length per task, so the rule's time features see many run lengths); ``None``: always
+    ``horizon``. The length is drawn at a restart, independent of the meta-parameters, so the
+    estimate stays unbiased across truncations as PES's is."""
     if horizon % truncation_length:
         raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
     reset_key, eps_key = jax.random.split(key)
@@ -166,7 +182,9 @@ def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: 
     acc = _select(reset, fresh_acc, state.accumulated_eps)
     task_keys = _select(reset, fresh_keys, state.task_keys)
     task_params = _select(reset, fresh_params, state.task_params)
-    episode_end = jnp.where(reset, horizon, state.episode_end)
+    new_end = horizon if min_horizon is None else sample_horizons(
+        jax.random.fold_in(reset_key, 7), num_tasks, min_horizon, horizon, truncation_length)
+    episode_end = jnp.where(reset, new_end, state.episode_end)
 
     eps = _sample_perturbations(eps_key, meta_params, num_tasks)
     acc = jax.tree.map(lambda a, e: a + e, acc, eps)
@@ -259,8 +277,10 @@ def _place(tree: PyTree, sharding: NamedSharding) -> PyTree:
 
 def make_pes_estimator(rule: UpdateRule, task: Task, *, num_tasks: int, horizon: int, truncation_length: int,
                        std: float = 0.01, aggregation: str = "mean",
-                       devices: Sequence[jax.Device] | None = None) -> PESEstimator:
+                       devices: Sequence[jax.Device] | None = None, min_horizon: int | None = None) -> PESEstimator:
     """Bind the configuration of truncated PES; both returned functions are pure and jitted.
+
+    ``min_horizon``: episode lengths log-uniform over ``[min_horizon, horizon]`` (see :func:`pes_gradient`).
 
     The pairs are split over ``task_mesh(num_tasks, devices)`` (by default all local devices that
     divide ``num_tasks``; pass ``devices=jax.local_devices()[:1]`` for one device): the PES state
@@ -275,10 +295,15 @@ def make_pes_estimator(rule: UpdateRule, task: Task, *, num_tasks: int, horizon:
         raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
     std = positive_float(std, "std")
     check_aggregation(aggregation)
+    if min_horizon is not None:
+        min_horizon = positive_int(min_horizon, "min_horizon")
+        if min_horizon > horizon:
+            raise ValueError(f"min_horizon ({min_horizon}) must be at most horizon ({horizon})")
     meta_params_template(rule)  # the rule's meta-parameter shapes, traced once here
     config = dict(rule=rule, task=task, num_tasks=num_tasks, horizon=horizon, truncation_length=truncation_length)
     unchecked_init = functools.partial(pes_init_state, **config)
-    unchecked_gradient = functools.partial(pes_gradient, std=std, aggregation=aggregation, **config)
+    unchecked_gradient = functools.partial(pes_gradient, std=std, aggregation=aggregation, min_horizon=min_horizon,
+                                           **config)
 
     def init(meta_params: PyTree, key: jax.Array) -> PESState:
         check_meta_params(rule, meta_params)

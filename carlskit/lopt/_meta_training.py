@@ -104,6 +104,12 @@ class MetaTraining:
       num_workers: ES worker loops.
       eval_workers: evaluation jobs in flight at most.
       num_tasks, num_steps, std: antithetic pairs per estimate, inner steps per unroll, ES noise.
+      estimator, truncation_length, min_num_steps: ``"es"`` (full unrolls of ``num_steps``) or
+        ``"pes"``: truncated PES on the workers (:class:`ESWorkerConfig`), ``truncation_length``
+        inner steps per estimate within episodes of ``num_steps``, or of lengths log-uniform over
+        ``[min_num_steps, num_steps]``.
+      aggregation: the meta-objective of an unroll, ``"mean"`` training loss over its steps or the
+        ``"last"`` step's (closer to the final loss the evaluation compares).
       max_staleness: gradients older than this many outer steps are dropped (paper: 5).
       outer_optimizer: optax optimizer of the meta-parameters (default ``optax.adam(3e-3)``), or
         ``"self"``: self-training, the learner updates the meta-parameters with the learned optimizer
@@ -135,7 +141,9 @@ class MetaTraining:
                  evaluate: bool = True, summaries: bool = True,
                  restart_policy: RestartPolicy | float | None = None,
                  workers: list[str] | str | None = None, resources: dict[str, float] | None = None,
-                 placement: Mapping[str, Placement | Mapping[str, Any]] | None = None) -> None:
+                 placement: Mapping[str, Placement | Mapping[str, Any]] | None = None,
+                 estimator: str = "es", truncation_length: int | None = None,
+                 min_num_steps: int | None = None, aggregation: str = "mean") -> None:
         if not isinstance(lopt, LearnedOptimizer):
             raise TypeError(f"lopt must be a LearnedOptimizer, got {type(lopt).__name__}")
         family = as_task_family(task_family)
@@ -155,7 +163,8 @@ class MetaTraining:
         self.eval_dir = self.directory / "evaluation"
         self.logdir = str(self.directory / "summaries") if summaries else None
         self.num_workers, self.eval_workers = num_workers, eval_workers
-        self.worker_config = ESWorkerConfig(num_tasks, num_steps, std, "mean", put_every, seed)
+        self.worker_config = ESWorkerConfig(num_tasks, num_steps, std, aggregation, put_every, seed, estimator,
+                                            truncation_length, min_num_steps)
         self.learner_options = dict(initial_meta_params=lopt.meta_params, outer_optimizer=outer_optimizer,
                                     max_staleness=max_staleness, max_gradients_per_update=max_gradients_per_update,
                                     checkpoint_every_seconds=checkpoint_every_seconds, logdir=self.logdir,

@@ -47,11 +47,14 @@ class Estimators:
     """One outer-gradient estimator per task structure (compiled once each), and PES state per structure.
 
     ``kind='es'``: antithetic ES through full unrolls of ``num_steps``; ``kind='pes'``: truncated
-    PES, unrolls of ``truncation_length`` within episodes of ``num_steps`` inner steps.
+    PES, unrolls of ``truncation_length`` within episodes of ``num_steps`` inner steps (or, with
+    ``min_num_steps``, episodes of lengths log-uniform over ``[min_num_steps, num_steps]``). The PES
+    state persists per task structure for the life of this object: in the cluster, per worker and task.
     """
 
     def __init__(self, rule: UpdateRule, kind: str = "es", *, num_tasks: int, num_steps: int,
-                 truncation_length: int | None = None, std: float = 0.01, aggregation: str = "mean") -> None:
+                 truncation_length: int | None = None, std: float = 0.01, aggregation: str = "mean",
+                 min_num_steps: int | None = None) -> None:
         self.kind = choice(kind, "estimator", ESTIMATORS)
         self.rule = rule
         self.num_tasks, self.num_steps = positive_int(num_tasks, "num_tasks"), positive_int(num_steps, "num_steps")
@@ -62,6 +65,10 @@ class Estimators:
         self.std = positive_float(std, "std")
         check_aggregation(aggregation)
         self.aggregation = aggregation
+        self.min_num_steps = None if min_num_steps is None else positive_int(min_num_steps, "min_num_steps")
+        if self.min_num_steps is not None and (self.kind != "pes" or self.min_num_steps > self.num_steps):
+            raise ValueError(f"min_num_steps ({min_num_steps}) needs estimator 'pes' and at most num_steps "
+                             f"({num_steps}); got estimator {self.kind!r}")
         self._estimators: dict[Task, Any] = {}
         self._pes_states: dict[Task, Any] = {}
 
@@ -70,7 +77,7 @@ class Estimators:
             common = dict(num_tasks=self.num_tasks, std=self.std, aggregation=self.aggregation)
             self._estimators[task] = (
                 make_pes_estimator(self.rule, task, horizon=self.num_steps, truncation_length=self.truncation_length,
-                                   **common) if self.kind == "pes"
+                                   min_horizon=self.min_num_steps, **common) if self.kind == "pes"
                 else make_full_es_estimator(self.rule, task, num_steps=self.num_steps, **common))
         return self._estimators[task]
 

@@ -475,6 +475,64 @@ class MatrixCompletionTask(Task):
         return 0.5 * jnp.mean(jnp.square(predicted - task_params["matrix"][batch["row"], batch["col"]]))
 
 
+@dataclasses.dataclass(frozen=True)
+class RescaledTask(Task):
+    """Task augmentation by parameter rescaling (VeLO; Metz et al. 2020, Sec. 4): the optimizer trains
+    ``q`` with ``params = scale * q``, ``scale`` log-uniform over ``[1/max_scale, max_scale]`` per
+    instance (one per parameter tensor). The problem is the same, but the optimizer sees parameters
+    scaled by ``1/scale`` and gradients by ``scale``, so it cannot key on their magnitudes."""
+
+    task: Task
+    max_scale: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.task, Task):
+            raise TypeError(f"task must be a Task, got {type(self.task).__name__}")
+        object.__setattr__(self, "max_scale", finite_float(self.max_scale, "max_scale", minimum=1.0))
+
+    def sample_task_params(self, key: jax.Array) -> PyTree:
+        inner_key, scale_key = jax.random.split(key)
+        inner = self.task.sample_task_params(inner_key)
+        shapes = jax.eval_shape(lambda: self.task.init(jax.random.PRNGKey(0), inner))
+        keys = jax.random.split(scale_key, len(jax.tree.leaves(shapes)))
+        bound = math.log(self.max_scale)
+        scales = [jnp.exp(jax.random.uniform(k, (), minval=-bound, maxval=bound)) for k in keys]
+        return {"inner": inner, "scales": jax.tree.unflatten(jax.tree.structure(shapes), scales)}
+
+    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        params = self.task.init(key, task_params["inner"])
+        return jax.tree.map(lambda p, s: p / s, params, task_params["scales"])
+
+    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        return self.task.batch(key, task_params["inner"])
+
+    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
+        scaled = jax.tree.map(lambda q, s: q * s, params, task_params["scales"])
+        return self.task.loss(scaled, batch, task_params["inner"])
+
+
+class RescaledFamily(TaskFamily):
+    """``family``'s structures, each wrapped in :class:`RescaledTask` with probability ``probability``."""
+
+    def __init__(self, family: TaskFamily, max_scale: float = 10.0, probability: float = 0.5) -> None:
+        self.family = as_task_family(family, "family")
+        self.max_scale = finite_float(max_scale, "max_scale", minimum=1.0)
+        probability = finite_float(probability, "probability", minimum=0.0)
+        if probability > 1.0:
+            raise ValueError(f"probability must be in [0, 1], got {probability!r}")
+        self.probability = probability
+
+    def __repr__(self) -> str:
+        return f"RescaledFamily({self.family!r}, max_scale={self.max_scale}, probability={self.probability})"
+
+    def tasks(self) -> tuple[Task, ...]:
+        return tuple(t for task in self.family.tasks() for t in (task, RescaledTask(task, self.max_scale)))
+
+    def sample(self, rng: np.random.Generator) -> Task:
+        task = self.family.sample(rng)
+        return RescaledTask(task, self.max_scale) if rng.random() < self.probability else task
+
+
 # --------------------------------------------------------------------------- families of them
 def _names(values: Any, name: str, check: Any) -> tuple:
     if isinstance(values, str) or not isinstance(values, (tuple, list)) or not values:
@@ -641,3 +699,21 @@ def evaluation_problems() -> dict[str, Task]:
         "wine MLP 8 elu, batch 16": MLPTask("wine", (8,), "elu", 16),
         "diabetes least squares (linear)": MLPTask("diabetes", (), "relu", 32),
     }
+
+
+def wide_meta_training_family() -> TaskFamily:
+    """A wider meta-training distribution (issue 30) that still avoids every family of
+    :func:`evaluation_problems`: :func:`meta_training_family` plus quadratics, depth 3 and
+    widths 8-128, batch 16-128, half of the structures under parameter rescaling (:class:`RescaledFamily`)."""
+    return RescaledFamily(MixtureFamily([
+        MLPFamily(("digits", "iris", "wine"), (8, 16, 64), (0, 1, 2), ("relu", "tanh"), (32, 128)),
+        LinearRegressionFamily((8, 32), (1.0, 10.0, 100.0), (16, 64)),
+        QuadraticFamily(dims=(4, 16, 64)),
+    ], weights=[3.0, 1.0, 0.5]), max_scale=10.0, probability=0.5)
+
+
+def validation_problems() -> dict[str, Task]:
+    """Checkpoint selection and early stopping (issue 30): problems neither meta-trained on
+    (:func:`wide_meta_training_family`) nor in the test set (:func:`evaluation_problems`)."""
+    return {"least squares dim 16, condition 300, batch 8": LinearRegressionTask(16, 300.0, 8),
+            "iris MLP 48 elu, batch 24": MLPTask("iris", (48,), "elu", 24)}

@@ -58,6 +58,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--initial-learning-rate", type=float, default=3e-3, help="the untrained rule's Adam step")
     parser.add_argument("--checkpoint-seconds", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=("shipped", "wide"), default="shipped",
+                        help="meta-training distribution: meta_training_family() or wide_meta_training_family()")
+    parser.add_argument("--estimator", choices=("es", "pes"), default="es", help="full-unroll ES or truncated PES")
+    parser.add_argument("--truncation", type=int, default=50, help="PES: inner steps per estimate")
+    parser.add_argument("--min-horizon", type=int, default=None, help="PES: episode lengths log-uniform from here")
+    parser.add_argument("--aggregation", choices=("mean", "last"), default="mean", help="meta-objective per unroll")
+    parser.add_argument("--patience", type=int, default=None,
+                        help="early stopping: stop when this many evaluated checkpoints in a row did not improve "
+                             "the validation loss (validation_problems(), neither trained on nor tested)")
     parser.add_argument("--compare-instances", type=int, default=8, help="instances per held-out problem")
     parser.add_argument("--small", action="store_true",
                         help="a smoke run (tests): 1 ES worker, 20-step trainings, 2 pairs, 2 held-out problems")
@@ -87,9 +96,12 @@ def main(argv: list[str] | None = None) -> int:
         geometric_mean_ratio,
         held_out_problems,
         meta_training_family,
+        validation_problems,
+        wide_meta_training_family,
     )
 
-    family, problems = meta_training_family(), held_out_problems()
+    family = wide_meta_training_family() if args.family == "wide" else meta_training_family()
+    problems = held_out_problems()
     if args.small:
         problems = dict(list(problems.items())[:2])
     rule = HierarchicalRule(initial_learning_rate=args.initial_learning_rate)
@@ -99,6 +111,11 @@ def main(argv: list[str] | None = None) -> int:
     eval_sets = [EvalTaskSet("train_subset", picked, 4, seed=1, num_steps=args.horizon),
                  EvalTaskSet("heldout", picked, 4, seed=2, num_steps=args.horizon),
                  EvalTaskSet("ood", tuple(problems.values()), 4, seed=3, num_steps=args.horizon)]
+    select = "heldout"
+    if args.patience is not None:  # checkpoint selection and early stopping on a validation family
+        eval_sets.append(EvalTaskSet("validation", tuple(validation_problems().values()), 4, seed=4,
+                                     num_steps=args.horizon))
+        select = "validation"
     run_dir = pathlib.Path(args.run_dir or tempfile.mkdtemp(prefix="carlskit-train-pretrained-"))
     client = carlskit.connect(args.address, n_workers=None if args.address else args.workers + 1)
     began, cpu_began = time.monotonic(), _cluster_cpu_seconds(client)
@@ -106,18 +123,26 @@ def main(argv: list[str] | None = None) -> int:
                             num_tasks=args.num_tasks, num_steps=args.horizon, std=args.std,
                             outer_optimizer=optax.adam(args.meta_learning_rate),
                             checkpoint_every_seconds=args.checkpoint_seconds, eval_task_sets=eval_sets,
-                            seed=args.seed)
+                            seed=args.seed, estimator=args.estimator,
+                            truncation_length=args.truncation if args.estimator == "pes" else None,
+                            min_num_steps=args.min_horizon, aggregation=args.aggregation)
     training.start()
-    with contextlib.suppress(TimeoutError):  # the time budget ran out: not an error
-        training.wait(args.outer_steps, timeout=args.minutes * 60.0)
+    deadline = time.monotonic() + args.minutes * 60.0
+    while time.monotonic() < deadline:
+        with contextlib.suppress(TimeoutError):  # the time budget ran out: not an error
+            training.wait(args.outer_steps, timeout=min(30.0, max(deadline - time.monotonic(), 0.1)))
+            break
+        if args.patience is not None and _stalled(training.eval_results, "validation", args.patience):
+            print("early stop: the validation loss stopped improving", flush=True)
+            break
     status = training.learner_status()
     training.stop(timeout=600.0)
     seconds = time.monotonic() - began
     cpu_seconds = _cluster_cpu_seconds(client) - cpu_began
-    best = training.best_checkpoint("heldout", "valid")
+    best = training.best_checkpoint(select, "valid")
     trained = training.learned_optimizer(best)
     print(f"meta-trained {status.get('outer_step')} outer steps in {seconds / 60:.1f} min; "
-          f"checkpoint {best} has the lowest heldout validation loss", flush=True)
+          f"checkpoint {best} has the lowest {select} validation loss", flush=True)
 
     rows = compare_to_tuned_adam(trained, problems, args.horizon, args.compare_instances,
                                  others={"untrained": start})
@@ -155,6 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path}")
     client.close()
     return 0
+
+
+def _stalled(results: dict, task_set: str, patience: int) -> bool:
+    """True when the last ``patience`` evaluated checkpoints all have a higher mean ``valid`` loss on
+    ``task_set`` than the best one before them (early stopping)."""
+    losses = [float(np.mean(results[v][task_set]["valid"])) for v in sorted(results) if task_set in results[v]]
+    return len(losses) > patience and min(losses[-patience:]) >= min(losses[:-patience])
 
 
 def _cluster_cpu_seconds(client) -> float:

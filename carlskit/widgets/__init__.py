@@ -9,9 +9,11 @@ from carlskit._notebook import in_notebook
 from carlskit.widgets._cluster_status import ClusterStatus
 from carlskit.widgets._display import FinalFrame, Panels, smooth
 from carlskit.widgets._eval_curves import EvalCurves, curves_frame
+from carlskit.widgets._families import FamilyMonitor, flag_families
 from carlskit.widgets._history import LivePlot
 from carlskit.widgets._live import LiveSummaries
 from carlskit.widgets._staleness import StalenessHistogram
 
 __all__ = ["LiveSummaries", "LivePlot", "EvalCurves", "ClusterStatus", "StalenessHistogram", "Panels", "FinalFrame",
-           "curves_frame", "smooth", "in_notebook"]
+           "curves_frame", "smooth", "in_notebook",
+           "FamilyMonitor", "flag_families"]

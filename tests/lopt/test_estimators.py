@@ -196,3 +196,24 @@ def test_es_worker_checks_its_config_the_learners_meta_params_and_puts_no_diverg
     wide_learner = Learner(MLPUpdateRule(hidden_sizes=(8,)), store, str(tmp_path / "ckpt8"))
     with pytest.raises(ValueError, match=r"learner meta_params\['layers'\]\[0\]\['b'\]"):
         run_es_worker(0, wide_learner, store, family, small_rule, config, threading.Event(), "t", max_rounds=1)
+
+
+def test_pes_with_sampled_horizons_restarts_episodes_of_log_uniform_lengths():
+    from carlskit.lopt._estimators import sample_horizons
+
+    lengths = np.asarray(sample_horizons(jax.random.PRNGKey(0), 4000, 10, 1000, 10))
+    assert lengths.min() >= 10 and lengths.max() <= 1000 and np.all(lengths % 10 == 0)
+    # Log-uniform: about as many episodes in [10, 100] as in (100, 1000].
+    assert 0.4 < np.mean(lengths <= 100) < 0.6
+    rule = LearnableAdamRule()
+    task = QuadraticTask(4, 10.0, 0.1)
+    theta = rule.init_meta_params(jax.random.PRNGKey(0))
+    estimator = make_pes_estimator(rule, task, num_tasks=8, horizon=40, truncation_length=5, min_horizon=5)
+    state, ends = estimator.init(theta, jax.random.PRNGKey(1)), set()
+    for step in range(12):
+        grad, state, metrics = estimator.gradient(theta, jax.random.PRNGKey(10 + step), state)
+        ends |= set(np.asarray(state.episode_end).tolist())
+        assert np.isfinite(metrics["outer_loss"])
+    assert len(ends) >= 3 and max(ends) <= 40
+    with pytest.raises(ValueError, match="min_horizon"):
+        make_pes_estimator(rule, task, num_tasks=2, horizon=10, truncation_length=5, min_horizon=20)

@@ -10,6 +10,8 @@ from carlskit.lopt import (
     LearnableAdam,
     LinearRegressionTask,
     MatrixCompletionTask,
+    RescaledFamily,
+    RescaledTask,
     compare_at_horizons,
     compare_to_tuned_adam,
     evaluation_problems,
@@ -17,6 +19,8 @@ from carlskit.lopt import (
     meta_training_family,
     optax_train_curves,
     summarize_comparison,
+    validation_problems,
+    wide_meta_training_family,
 )
 
 
@@ -25,6 +29,36 @@ def test_the_evaluation_set_holds_the_eight_of_today_and_nothing_meta_trained_on
     assert len(problems) >= 12
     assert held_out_problems().items() <= problems.items()
     assert not set(problems.values()) & set(meta_training_family().tasks())
+    wide = {t.task if isinstance(t, RescaledTask) else t for t in wide_meta_training_family().tasks()}
+    assert set(meta_training_family().tasks()) <= wide and len(wide) > len(meta_training_family().tasks())
+    validation = set(validation_problems().values())
+    assert not (set(problems.values()) | validation) & wide and not validation & set(problems.values())
+
+
+def test_rescaled_task_is_the_same_problem_seen_at_another_scale():
+    import jax
+
+    task = RescaledTask(LinearRegressionTask(6, 10.0, 8), max_scale=10.0)
+    key = jax.random.PRNGKey(0)
+    params = task.sample_task_params(key)
+    scales = jax.tree.leaves(params["scales"])
+    assert all(0.1 <= float(s) <= 10.0 for s in scales) and len({float(s) for s in scales}) == len(scales)
+    q = task.init(key, params)
+    batch = task.batch(jax.random.PRNGKey(1), params)
+    original = task.task.init(key, params["inner"])
+    # Same loss at the same point, gradients scaled by the scale of each tensor.
+    assert float(task.loss(q, batch, params)) == pytest.approx(float(task.task.loss(original, batch, params["inner"])))
+    g_q = jax.grad(task.loss)(q, batch, params)
+    g_p = jax.grad(task.task.loss)(original, batch, params["inner"])
+    for gq, gp, s in zip(jax.tree.leaves(g_q), jax.tree.leaves(g_p), scales):
+        np.testing.assert_allclose(gq, gp * s, rtol=1e-4, atol=1e-6)
+    family = RescaledFamily(LinearRegressionTask(6, 10.0, 8), probability=0.5)
+    rng = np.random.default_rng(0)
+    assert 0.3 < np.mean([isinstance(family.sample(rng), RescaledTask) for _ in range(200)]) < 0.7
+    with pytest.raises(ValueError, match="max_scale"):
+        RescaledTask(task.task, max_scale=0.5)
+    with pytest.raises(TypeError, match="task"):
+        RescaledTask("not a task")
 
 
 @pytest.mark.parametrize("task", [DeepLinearTask(8, 3, 16), MatrixCompletionTask(12, 10, 2, 0.5, 32)], ids=repr)
@@ -71,9 +105,10 @@ def test_a_grid_whose_best_rate_is_at_an_edge_is_widened_until_inside():
 
 def test_horizons_and_the_verdict():
     task = DeepLinearTask(6, 2, 16)
-    lopt = LearnableAdam(initial_learning_rate=0.01, train_horizon=20)
-    rows = compare_at_horizons(lopt, {"deep": task}, 20, (1, 3), num_instances=2)
-    assert [r["horizon"] for r in rows] == [20, 60] and [r["multiple"] for r in rows] == [1, 3]
+    lopt = LearnableAdam(initial_learning_rate=0.01, train_horizon=10)
+    rows = compare_at_horizons(lopt, {"deep": task}, 10, (1, 2), num_instances=2, learning_rates=(1e-2, 3e-2, 1e-1),
+                               widen=0)
+    assert [r["horizon"] for r in rows] == [10, 20] and [r["multiple"] for r in rows] == [1, 2]
     verdict = summarize_comparison(rows)
     assert verdict["cases"] == 2 and verdict["worst_case"].startswith("deep @")
     hand = [{"problem": "a", "ratio": 0.5}, {"problem": "b", "ratio": 2.0}, {"problem": "c", "ratio": 1.0},
@@ -85,4 +120,4 @@ def test_horizons_and_the_verdict():
     with pytest.raises(ValueError, match="rows"):
         summarize_comparison([])
     with pytest.raises(ValueError, match="multiples"):
-        compare_at_horizons(lopt, {"deep": task}, 20, ())
+        compare_at_horizons(lopt, {"deep": task}, 10, ())

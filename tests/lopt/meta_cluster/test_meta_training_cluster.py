@@ -133,3 +133,22 @@ def test_cluster_survives_killing_an_es_worker_and_the_learner(tmp_path, no_left
         assert training.status()["evaluation"]["evaluated"] >= 1
     finally:
         client.close()
+
+
+def test_embedded_meta_training_with_truncated_pes_on_the_workers_learns(tmp_path):
+    family = QuadraticFamily(dims=(4,), noise_std=0.1)
+    heldout = [EvalTaskSet("heldout", (TASK,), num_instances=2, seed=2, num_steps=20)]
+    training = MetaTraining(LearnableAdam(), family, None, directory=tmp_path, num_workers=2, num_tasks=2,
+                            num_steps=20, estimator="pes", truncation_length=5, min_num_steps=5, std=0.01,
+                            checkpoint_every_seconds=0.2, outer_optimizer=optax.adam(0.15), eval_task_sets=heldout,
+                            summaries=False).start()
+    try:
+        wait_until(lambda: max(training.eval_results, default=0) >= 40, seconds=180)
+        status = training.status()
+        assert status["worker_errors"] == 0 and status["families"][0]["count"] >= 40
+    finally:
+        training.stop()
+    loss = {v: float(np.mean(training.eval_results[v]["heldout"]["valid"])) for v in training.eval_results}
+    assert min(loss.values()) <= 0.8 * loss[0], loss
+    with pytest.raises(ValueError, match="truncation_length"):
+        MetaTraining(LearnableAdam(), family, None, directory=tmp_path, estimator="pes", num_steps=20)
