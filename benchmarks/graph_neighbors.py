@@ -19,13 +19,19 @@ Dask workers with an embedding maker there encoding every node from the latest c
 line: JSON with step_1m_over_10k, the makers' refresh rate, the bank's bytes per node and the
 staleness in checkpoint versions (``--nodes`` shrinks the large graph for a smoke test).
 
-    python benchmarks/graph_neighbors.py --only gnn [--small] [--nodes N] [--workers 2]
+    python benchmarks/graph_neighbors.py --only gnn|gnn_k|gnn_size [--small] [--nodes N] [--workers 2]
+                                         [--max-cpu-fraction 0.2]
 The GNN of CARLS figure 3 (issue 28, ``carlskit.paradigms.gnn``): step time with K=100 neighbours
 per node over K=10 when the neighbours' hidden embeddings come from the bank
 (``gnn_t100_over_t10``) and when the step encodes the neighbours' features itself
 (``gnn_inline_t100_over_t10``, the baseline), on Cora's shape; then ``gnn_step_1m_over_10k``: the
 GNN's step time on the 1M-node graph over a 10k-node one, each timed while its embedding maker
 keeps refreshing every node from the latest checkpoint (and, for reference, with the maker stopped).
+The maker of both sizes runs with the same CPU budget (``Maker(max_cpu_fraction=)``, 0.2): unpaced,
+its two slices took the trainer's two cores (step 2.9x slower at 1M). The sizes are timed in
+interleaved windows (``benchmarks/_timing.py``), each lasting until every slice has refreshed all of
+its nodes once; ``maker_rounds_per_window``, ``maker_nodes_per_s`` and ``maker_busy_fraction`` show
+the refresh going on. ``gnn_k`` / ``gnn_size`` run one of the two parts.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -48,6 +55,9 @@ from carlskit.makers import EmbeddingMaker, Maker
 from carlskit.paradigms import gnn
 from carlskit.paradigms.graph_reg import MLP, encode
 from carlskit.training import CheckpointStore, NeighborKnowledge, Trainer, graph_regularization, masked_cross_entropy
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleave, medians, ratio  # noqa: E402
 
 NUM_ITEMS, NUM_FEATURES, HIDDEN, NUM_CLASSES = 2708, 1433, 64, 7  # Cora's shape
 
@@ -228,18 +238,25 @@ def million_run(num_nodes: int, client, num_shards: int, batch_size: int,
 
 
 def million_step_times(banks: dict[int, KnowledgeBank], batch_size: int, steps: int, warmup: int,
-                       repeats: int, variant: str = "graph_reg") -> dict[int, float]:
-    """Trainer step time per graph size (maker stopped), sizes alternated ``repeats`` times so that
-    load from other processes falls on both; the median per size."""
+                       repeats: int, variant: str = "graph_reg") -> dict[int, list[float]]:
+    """Trainer step time per graph size (maker stopped), sizes interleaved ``repeats`` times
+    (``benchmarks/_timing.py``) so that load from other processes falls on both; the samples per size."""
     codebook = million_codebook()
-    times: dict[int, list[float]] = {n: [] for n in banks}
-    for _ in range(repeats):
-        for num_nodes, bank in banks.items():
-            spec = million_variant(variant, codebook, bank)
-            trainer = Trainer(spec["make_model"](), optax.adam(1e-3), spec["loss"], knowledge=spec["knowledge"])
-            times[num_nodes].append(time_fit(trainer, million_data(num_nodes, batch_size, codebook), steps, warmup))
-            print(f"{num_nodes} nodes: {times[num_nodes][-1] * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
-    return {n: float(np.median(t)) for n, t in times.items()}
+
+    def timed(num_nodes: int, bank: KnowledgeBank):
+        spec = million_variant(variant, codebook, bank)
+        trainer = Trainer(spec["make_model"](), optax.adam(1e-3), spec["loss"], knowledge=spec["knowledge"])
+        data = million_data(num_nodes, batch_size, codebook)
+
+        def run() -> float:
+            seconds = time_fit(trainer, data, steps, warmup)
+            print(f"{num_nodes} nodes: {seconds * 1e3:.2f} ms/step", file=sys.stderr, flush=True)
+            return seconds
+
+        return run
+
+    samples = interleave({str(n): timed(n, bank) for n, bank in banks.items()}, repeats, warmup=False)
+    return {int(n): t for n, t in samples.items()}
 
 
 def million_main(num_nodes: int, workers: int, small: bool) -> None:
@@ -254,7 +271,8 @@ def million_main(num_nodes: int, workers: int, small: bool) -> None:
     try:
         banks[10_000], small_run = million_run(10_000, client, max(1, workers), batch_size, live_steps)
         banks[num_nodes], large_run = million_run(num_nodes, client, max(1, workers), batch_size, live_steps)
-        step = million_step_times(banks, batch_size, steps, warmup, repeats)
+        samples = million_step_times(banks, batch_size, steps, warmup, repeats)
+        step = {n: float(np.median(t)) for n, t in samples.items()}
     finally:
         for bank in banks.values():
             bank.close()
@@ -287,10 +305,12 @@ def gnn_inline_loss(model, batch):
 
 
 def gnn_neighbor_counts(small: bool) -> dict:
-    """gnn_t100_over_t10 (bank-served) and gnn_inline_t100_over_t10 on Cora's shape, modes and Ks
-    alternated ``repeats`` times (the median per case), so that load falls on all of them."""
+    """gnn_t100_over_t10 (bank-served) and gnn_inline_t100_over_t10 on Cora's shape, the four cases
+    interleaved ``repeats`` times (``benchmarks/_timing.py``): medians of the per-repeat ratios and
+    their spreads."""
     batch_size, ks = (32 if small else 128), (10, 100)  # small: the notebook's smoke run (inline K=100 is slow)
-    steps, warmup, repeats = (8, 2, 1) if small else (30, 5, 3)
+    # the inline K=100 step is ~100x the others (2.4 s at batch 128 on 2 cores): fewer steps per sample
+    steps, inline_steps, repeats = (4, 2, 2) if small else (30, 3, 5)
     rng = np.random.default_rng(0)
     features = (rng.random((NUM_ITEMS, NUM_FEATURES)) < 0.01).astype(np.float32)
     labels = rng.integers(0, NUM_CLASSES, NUM_ITEMS)
@@ -302,53 +322,155 @@ def gnn_neighbor_counts(small: bool) -> dict:
     items = np.arange(NUM_ITEMS)
     bank.update("nbrs", items, {"ids": neighbors, "weights": np.ones_like(neighbors, np.float32)}, version=0)
     bank.update("hidden", items, np.asarray(gnn.encode_hidden(make_model(), jnp.asarray(features))), version=0)
-    times: dict = {"bank": {k: [] for k in ks}, "inline": {k: [] for k in ks}}
-    for _ in range(repeats):
-        for k in ks:
+
+    def case(mode: str, k: int):
+        if mode == "bank":
             knowledge = NeighborKnowledge(bank, max_neighbors=k, embeddings_table="hidden")
             trainer = Trainer(make_model(), optax.adam(1e-3), gnn.bank_loss,
-                              knowledge=lambda batch, knowledge=knowledge: gnn.batch_positions(knowledge(batch)))
-            times["bank"][k].append(time_fit(trainer, make_data(k, batch_size, features, labels, neighbors, False),
-                                             steps, warmup))
+                              knowledge=lambda batch: gnn.batch_positions(knowledge(batch)))
+        else:
             trainer = Trainer(make_model(), optax.adam(1e-3), gnn_inline_loss)
-            times["inline"][k].append(time_fit(trainer, make_data(k, batch_size, features, labels, neighbors, True),
-                                               steps, warmup))
-            print(f"GNN K={k:4d}  bank {times['bank'][k][-1] * 1e3:8.2f} ms/step   "
-                  f"inline {times['inline'][k][-1] * 1e3:8.2f} ms/step", file=sys.stderr, flush=True)
-    step = {mode: {k: float(np.median(t)) for k, t in by_k.items()} for mode, by_k in times.items()}
-    return {"gnn_batch_size": batch_size, "gnn_bank_step_s": step["bank"], "gnn_inline_step_s": step["inline"],
-            "gnn_t100_over_t10": step["bank"][100] / step["bank"][10],
-            "gnn_inline_t100_over_t10": step["inline"][100] / step["inline"][10]}
+        data = make_data(k, batch_size, features, labels, neighbors, mode == "inline")
+        trainer.fit(data, 2, progress=False, live=False)  # compile
+
+        def run() -> float:
+            seconds = time_fit(trainer, data, inline_steps if mode == "inline" else steps, 1)
+            print(f"GNN K={k:4d}  {mode:6s} {seconds * 1e3:8.2f} ms/step", file=sys.stderr, flush=True)
+            return seconds
+
+        return run
+
+    samples = interleave({f"{mode}{k}": case(mode, k) for mode in ("bank", "inline") for k in ks}, repeats,
+                         warmup=False)
+    step = medians(samples)
+    return {"gnn_batch_size": batch_size, "gnn_repeats": repeats,
+            "gnn_bank_step_s": {k: step[f"bank{k}"] for k in ks},
+            "gnn_inline_step_s": {k: step[f"inline{k}"] for k in ks},
+            **ratio(samples, "bank100", "bank10", "gnn_t100_over_t10"),
+            **ratio(samples, "inline100", "inline10", "gnn_inline_t100_over_t10")}
 
 
-def gnn_main(num_nodes: int, workers: int, small: bool) -> None:
-    results = {"load_before": os.getloadavg()[0], **gnn_neighbor_counts(small)}
+class LiveGraph:
+    """One graph size for the GNN's step-time-with-maker comparison: a sharded bank holding the
+    graph's neighbour records and hidden embeddings, a trainer publishing checkpoints every 5 steps,
+    and an embedding maker paced to ``max_cpu_fraction`` re-encoding every node from the latest one."""
+
+    def __init__(self, num_nodes: int, client, num_shards: int, batch_size: int, max_cpu_fraction: float):
+        self.num_nodes, self.client = num_nodes, client
+        codebook = million_codebook()
+        self.items = np.arange(num_nodes, dtype=np.int64)
+        self.bank = KnowledgeBank(client=client, num_shards=num_shards)
+        self.bank.create_table("hidden", dim=GNN_HIDDEN, initializer="zeros")
+        self.bank.create_feature_table("nbrs", schema={"ids": ("int64", MILLION_K), "weights": ("float32", MILLION_K)})
+        for lo in range(0, num_nodes, 100_000):
+            chunk = self.items[lo:lo + 100_000]
+            self.bank.update("nbrs", chunk, {"ids": million_neighbors(chunk, num_nodes),
+                                             "weights": np.full((len(chunk), MILLION_K), 1.0 / MILLION_K, np.float32)},
+                             version=0)
+        spec = million_variant("gnn", codebook, self.bank)
+        self.directory = tempfile.mkdtemp()
+        self.store = CheckpointStore(self.directory, keep=3)
+        self.trainer = Trainer(spec["make_model"](), optax.adam(1e-3), spec["loss"], knowledge=spec["knowledge"],
+                               checkpoints=self.store, checkpoint_every=5)
+        self.trainer.save_checkpoint()
+        self.maker = Maker(EmbeddingMaker(spec["make_model"], spec["encode"], self.items, batch_size=8192,
+                                          table="hidden"),
+                           self.items, num_slices=num_shards, name=f"embeddings-{num_nodes}", poll_seconds=0.05,
+                           max_cpu_fraction=max_cpu_fraction)
+        self.data = million_data(num_nodes, batch_size, codebook)
+        self.windows: list[dict] = []
+        start = time.perf_counter()
+        self.maker.start(self.store, self.bank, client)
+        self.maker.wait_for_version(0, timeout=1800)
+        self.first_refresh_s = time.perf_counter() - start  # the workers' compile and one paced round
+        self.trainer.fit(self.data, 5, progress=False, live=False)  # the trainer's compile
+
+    def rounds(self) -> list[int]:
+        return [s["rounds"] for s in self.maker.status()["slices"]]
+
+    def window(self, min_steps: int) -> float:
+        """Seconds per step while the maker refreshes, over at least ``min_steps`` and until every
+        slice has completed a round begun in the window (the maker is idle when it starts: a full
+        refresh of every node happens inside it); then wait (unmeasured) until the maker has caught
+        up with the last checkpoint, so its work never spills into the next window of another size.
+        Records the rounds each slice completed during the window."""
+        before, start, steps = self.rounds(), time.perf_counter(), 0
+        while steps < min_steps or min(b - a for a, b in zip(before, self.rounds())) < 1:
+            self.trainer.fit(self.data, 25, progress=False, live=False)
+            steps += 25
+        seconds = time.perf_counter() - start
+        completed = [b - a for a, b in zip(before, self.rounds())]
+        self.trainer.save_checkpoint()
+        self.maker.wait_for_version(self.trainer.step, timeout=1800)
+        self.windows.append({"seconds": seconds, "steps": steps, "rounds_completed": completed})
+        print(f"{self.num_nodes} nodes: {seconds / steps * 1e3:.2f} ms/step with the maker refreshing "
+              f"(rounds completed per slice {completed})", file=sys.stderr, flush=True)
+        return seconds / steps
+
+    def figures(self) -> dict:
+        slices = self.maker.status()["slices"]
+        staleness = np.array([r["staleness"] for r in self.trainer.history
+                              if np.isfinite(r.get("staleness", np.nan))])
+        rate = float(sum(s["items_per_s"] for s in slices))  # slices run in parallel, one per worker
+        return {"nodes": self.num_nodes, "first_refresh_s": self.first_refresh_s,
+                "maker_nodes_per_s": rate, "maker_refresh_all_s": self.num_nodes / rate,
+                "maker_busy_fraction": [round(s["busy_fraction"], 3) for s in slices],
+                "maker_rounds_total": [s["rounds"] for s in slices],
+                "window_rounds_completed": [w["rounds_completed"] for w in self.windows],
+                "window_seconds": [round(w["seconds"], 2) for w in self.windows],
+                "staleness_versions_mean": float(staleness.mean()) / 5,
+                "staleness_versions_max": float(staleness.max()) / 5}
+
+    def close(self) -> None:
+        self.maker.stop()
+        self.bank.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def gnn_main(num_nodes: int, workers: int, small: bool, max_cpu_fraction: float, part: str = "gnn") -> None:
+    results = {"load_before": os.getloadavg()[0]}
+    if part in ("gnn", "gnn_k"):
+        results.update(gnn_neighbor_counts(small))
+    if part == "gnn_k":
+        print(json.dumps(results))
+        return
     batch_size = 128
-    steps, warmup, repeats, live_steps = (20, 5, 1, 20) if small else (50, 10, 2, 100)
+    window_steps, repeats = (50, 1) if small else (200, 3)
     client = None
     if workers > 0:
         from carlskit.cluster import connect
 
         client = connect(n_workers=workers, memory_limit="2.5GiB")
-    banks: dict[int, KnowledgeBank] = {}
+    graphs: dict[int, LiveGraph] = {}
     try:
-        banks[10_000], small_run = million_run(10_000, client, max(1, workers), batch_size, live_steps, "gnn", steps)
-        banks[num_nodes], large_run = million_run(num_nodes, client, max(1, workers), batch_size, live_steps, "gnn",
-                                                  steps)
-        stopped = million_step_times(banks, batch_size, steps, warmup, repeats, "gnn")
+        for size in (10_000, num_nodes):
+            graphs[size] = LiveGraph(size, client, max(1, workers), batch_size, max_cpu_fraction)
+        samples = interleave({str(n): functools.partial(graph.window, window_steps) for n, graph in graphs.items()},
+                             repeats, warmup=False)
+        live = {n: graph.figures() for n, graph in graphs.items()}
+        for graph in graphs.values():
+            graph.maker.stop()
+        stopped = million_step_times({n: graph.bank for n, graph in graphs.items()}, batch_size,
+                                     20 if small else 50, 5, repeats, "gnn")
     finally:
-        for bank in banks.values():
-            bank.close()
+        for graph in graphs.values():
+            graph.close()
         if client is not None:
             client.close()
+    step = medians(samples)
+    large = live[num_nodes]
     results.update({
-        "nodes": num_nodes, "workers": workers, "k": MILLION_K, "hidden": GNN_HIDDEN,
-        "gnn_step_10k_s": small_run["step_with_maker_s"], "gnn_step_1m_s": large_run["step_with_maker_s"],
-        "gnn_step_1m_over_10k": large_run["step_with_maker_s"] / small_run["step_with_maker_s"],
-        "gnn_step_1m_over_10k_maker_stopped": stopped[num_nodes] / stopped[10_000],
-        "maker_refresh_all_s": large_run["refresh_all_s"], "maker_rounds": large_run["maker_rounds"],
-        "staleness_versions_mean": large_run["staleness_versions_mean"],
-        "staleness_versions_max": large_run["staleness_versions_max"], "load_after": os.getloadavg()[0],
+        "nodes": num_nodes, "workers": workers, "k": MILLION_K, "hidden": GNN_HIDDEN, "window_steps": window_steps,
+        "repeats": repeats, "max_cpu_fraction": max_cpu_fraction,
+        "gnn_step_10k_s": step["10000"], "gnn_step_1m_s": step[str(num_nodes)],
+        **ratio(samples, str(num_nodes), "10000", "gnn_step_1m_over_10k"),
+        **ratio({str(n): t for n, t in stopped.items()}, str(num_nodes), "10000", "gnn_step_1m_over_10k_maker_stopped"),
+        "maker_nodes_per_s": large["maker_nodes_per_s"], "maker_refresh_all_s": large["maker_refresh_all_s"],
+        "maker_rounds_per_window": large["window_rounds_completed"],
+        "maker_busy_fraction": large["maker_busy_fraction"],
+        "staleness_versions_mean": large["staleness_versions_mean"],
+        "staleness_versions_max": large["staleness_versions_max"], "load_after": os.getloadavg()[0],
+        "runs": {"10k": live[10_000], "large": large},
     })
     print(json.dumps(results))
 
@@ -356,16 +478,19 @@ def gnn_main(num_nodes: int, workers: int, small: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--only", choices=["million", "gnn"], default=None,
-                        help="run only this part (default: the neighbour-count part)")
+    parser.add_argument("--only", choices=["million", "gnn", "gnn_k", "gnn_size"], default=None,
+                        help="run only this part (default: the neighbour-count part; gnn is gnn_k then gnn_size)")
     parser.add_argument("--nodes", type=int, default=1_000_000, help="--only million/gnn: the large graph's nodes")
     parser.add_argument("--workers", type=int, default=2,
                         help="--only million/gnn: Dask workers (0: in-process bank)")
+    parser.add_argument("--max-cpu-fraction", type=float, default=0.2,
+                        help="--only gnn: each maker slice's CPU budget (Maker's max_cpu_fraction), both graph sizes")
     args = parser.parse_args()
     if args.only == "million":
         return million_main(args.nodes, args.workers, args.small)
-    if args.only == "gnn":
-        return gnn_main(args.nodes, args.workers, args.small or os.environ.get("CARLSKIT_SMALL") == "1")
+    if args.only in ("gnn", "gnn_k", "gnn_size"):
+        return gnn_main(args.nodes, args.workers, args.small or os.environ.get("CARLSKIT_SMALL") == "1",
+                        args.max_cpu_fraction, args.only)
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     ks = [1, 10, 30, 100]
     # The same batch in both sizes: the bank's lookups hide behind a step only when the step has

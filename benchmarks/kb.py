@@ -37,6 +37,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from carlskit.bank import KnowledgeBank  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleave, medians, ratio  # noqa: E402
+
 DIM = 64
 BATCH = 4096
 #: batches kept in flight by the pipelined variants (lookup_async / apply_gradients_async)
@@ -69,18 +72,23 @@ def median_seconds(function, repeats: int) -> float:
     return statistics.median(times)
 
 
-def side_by_side(baseline, candidate, repeats: int) -> tuple[float, float]:
-    """Median seconds of two functions measured in alternation (fair under noisy neighbours)."""
-    baseline(), candidate()
-    base, cand = [], []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        baseline()
-        base.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        candidate()
-        cand.append(time.perf_counter() - start)
-    return statistics.median(base), statistics.median(cand)
+def side_by_side(baseline, candidate, repeats: int, key: str, calls: int = 1) -> tuple[float, float, dict]:
+    """Median seconds per call of two functions measured interleaved (``benchmarks/_timing.py``),
+    each sample ``calls`` calls in a row, and ``{key: median of baseline / candidate per repeat,
+    key_spread: ...}``."""
+
+    def block(function):
+        def run() -> float:
+            start = time.perf_counter()
+            for _ in range(calls):
+                function()
+            return (time.perf_counter() - start) / calls
+
+        return run
+
+    samples = interleave({"baseline": block(baseline), "candidate": block(candidate)}, repeats)
+    times = medians(samples)
+    return times["baseline"], times["candidate"], ratio(samples, "baseline", "candidate", key)
 
 
 def make_chunks(num_rows: int, chunk: int = 100_000):
@@ -112,9 +120,9 @@ def in_process(num_rows: int, repeats: int) -> dict:
     positions = rng.integers(0, num_rows, BATCH)
     keys = all_keys[positions]
     assert np.array_equal(kb.lookup("emb", keys)[0], raw[positions])
-    t_numpy, t_bank = side_by_side(lambda: raw[positions], lambda: kb.lookup("emb", keys), repeats)
-    results.update(lookup_numpy_ms=t_numpy * 1e3, lookup_bank_ms=t_bank * 1e3,
-                   lookup_vs_numpy=t_numpy / t_bank)
+    t_numpy, t_bank, lookup_ratio = side_by_side(lambda: raw[positions], lambda: kb.lookup("emb", keys), repeats,
+                                                 "lookup_vs_numpy", calls=5)
+    results.update(lookup_numpy_ms=t_numpy * 1e3, lookup_bank_ms=t_bank * 1e3, **lookup_ratio)
     results["inprocess_call_overhead_us"] = median_seconds(
         lambda: kb.lookup("emb", keys[:1]), repeats) * 1e6
     print(f"lookup: numpy {t_numpy * 1e3:.3f} ms, bank {t_bank * 1e3:.3f} ms", flush=True)
@@ -127,10 +135,10 @@ def in_process(num_rows: int, repeats: int) -> dict:
     got = kb.nearest("emb", queries, k=10, metric="dot")[0]
     results["nearest_agreement"] = float((got == expected).mean())
     nearest_repeats = max(3, repeats // 40)
-    t_faiss, t_near = side_by_side(lambda: index.search(queries, 10),
-                                   lambda: kb.nearest("emb", queries, k=10), nearest_repeats)
-    results.update(nearest_faiss_ms=t_faiss * 1e3, nearest_bank_ms=t_near * 1e3,
-                   nearest_vs_faiss=t_faiss / t_near)
+    t_faiss, t_near, nearest_ratio = side_by_side(lambda: index.search(queries, 10),
+                                                  lambda: kb.nearest("emb", queries, k=10), nearest_repeats,
+                                                  "nearest_vs_faiss")
+    results.update(nearest_faiss_ms=t_faiss * 1e3, nearest_bank_ms=t_near * 1e3, **nearest_ratio)
     print(f"nearest: faiss {t_faiss * 1e3:.1f} ms, bank {t_near * 1e3:.1f} ms", flush=True)
     return results
 

@@ -4,7 +4,9 @@ of gradients dropped as stale for ``max_staleness`` 0, 1 and 5, and the learner'
 Baseline measured in the same process: the same ES estimator called in a loop here, with no cluster
 (``grads_per_s_in_process``). Each cluster figure counts the gradients the learner *received* during
 a window after warm-up (compilation on the workers excluded). The embedded cluster has one worker
-process for the gradient store and learner plus one per ES worker.
+process for the gradient store and learner plus one per ES worker. The in-process loop and the 1- and
+2-worker runs are interleaved (``benchmarks/_timing.py``): ``speedup_2_vs_1_workers`` and
+``ratio_1_worker_vs_in_process`` are medians of per-repeat ratios, with ``_spread`` keys beside them.
 
     python benchmarks/meta_cluster.py [--small]
 
@@ -16,12 +18,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import sys
 import tempfile
 import time
 
 import numpy as np
 
 import carlskit
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleave, ratio  # noqa: E402
 
 # JAX and carlskit.lopt are imported inside the functions: Dask's spawned workers re-import this
 # script, and JAX must not start there before carlskit configures the worker.
@@ -113,36 +120,55 @@ def main() -> None:
     rule, task = MLPUpdateRule(), QuadraticTask(8, 10.0, 0.1)
     num_tasks, num_steps = 8, 20
 
-    print("in-process ES estimator rate ...", flush=True)
-    baseline = in_process_rate(rule, task, num_tasks, num_steps, window / 2)
-    print(f"  {baseline:.1f} gradients/s", flush=True)
+    repeats = 2 if small else 3
     overhead = learner_overhead(rule, gradients_per_update=2, updates=20 if small else 100)
     print(f"learner overhead (in process, 2 gradients/update): {overhead * 1e3:.2f} ms", flush=True)
 
     results: dict[str, dict] = {}
+    runs: dict[str, list[dict]] = {"1_worker": [], "2_workers": []}
     client = carlskit.connect(n_workers=3, threads_per_worker=1)  # store+learner worker, 2 ES workers
     try:
         print("warm-up: every worker process compiles the estimator once (not measured) ...", flush=True)
         cluster_run(client, rule, task, num_workers=2, max_staleness=5, num_tasks=num_tasks, num_steps=num_steps,
                     window_seconds=1.0, warmup_steps=5)
-        for name, workers, staleness in (("1_worker", 1, 5), ("2_workers", 2, 5), ("staleness_0", 2, 0),
-                                         ("staleness_1", 2, 1)):
+
+        # The compared rates, interleaved (benchmarks/_timing.py): each repeat measures the in-process
+        # loop, 1 and 2 ES workers once, windows of window / 2; ratios are formed within a repeat.
+        def cluster(name: str, workers: int):
+            def run() -> float:  # seconds per received gradient
+                runs[name].append(cluster_run(client, rule, task, num_workers=workers, max_staleness=5,
+                                              num_tasks=num_tasks, num_steps=num_steps, window_seconds=window / 2))
+                print(f"  {name}: {runs[name][-1]}", flush=True)
+                return 1.0 / max(runs[name][-1]["grads_per_s"], 1e-9)
+
+            return run
+
+        def in_process() -> float:
+            rate = in_process_rate(rule, task, num_tasks, num_steps, window / 4)
+            print(f"  in process: {rate:.1f} gradients/s", flush=True)
+            return 1.0 / rate
+
+        samples = interleave({"in_process": in_process, "1_worker": cluster("1_worker", 1),
+                              "2_workers": cluster("2_workers", 2)}, repeats, warmup=False)
+        for name, staleness in (("staleness_0", 0), ("staleness_1", 1)):
             print(f"cluster run {name} ...", flush=True)
-            results[name] = cluster_run(client, rule, task, num_workers=workers, max_staleness=staleness,
+            results[name] = cluster_run(client, rule, task, num_workers=2, max_staleness=staleness,
                                         num_tasks=num_tasks, num_steps=num_steps, window_seconds=window)
             print(f"  {results[name]}", flush=True)
     finally:
         client.close()
+    for name, measured in runs.items():  # the median repeat's figures
+        results[name] = {key: statistics.median(run[key] for run in measured) for key in measured[0]}
+    speedup = ratio(samples, "1_worker", "2_workers", "speedup_2_vs_1_workers")
+    versus = ratio(samples, "in_process", "1_worker", "ratio_1_worker_vs_in_process")
 
     report = {
         "benchmark": "meta_cluster", "small": small, "rule": "MLPUpdateRule", "task": repr(task),
         "num_tasks": num_tasks, "num_steps": num_steps, "window_s": window,
-        "grads_per_s_in_process": round(baseline, 2),
+        "repeats": repeats, "grads_per_s_in_process": round(1.0 / statistics.median(samples["in_process"]), 2),
         "grads_per_s_1_worker": round(results["1_worker"]["grads_per_s"], 2),
         "grads_per_s_2_workers": round(results["2_workers"]["grads_per_s"], 2),
-        "speedup_2_vs_1_workers": round(results["2_workers"]["grads_per_s"]
-                                        / max(results["1_worker"]["grads_per_s"], 1e-9), 3),
-        "ratio_1_worker_vs_in_process": round(results["1_worker"]["grads_per_s"] / baseline, 3),
+        **{name: round(value, 3) for name, value in {**speedup, **versus}.items()},
         "dropped_fraction_max_staleness_0": round(results["staleness_0"]["dropped_fraction"], 4),
         "dropped_fraction_max_staleness_1": round(results["staleness_1"]["dropped_fraction"], 4),
         "dropped_fraction_max_staleness_5": round(results["2_workers"]["dropped_fraction"], 4),

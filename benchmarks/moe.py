@@ -5,7 +5,9 @@ Prints progress, then ONE JSON object as the last line of stdout.
 
 - ``t64_over_t8``: MoE layer forward+backward time with E=64 over E=8 experts, at fixed tokens
   per group S, groups G and capacity factor (so E * C is constant), default (scatter) dispatch.
-  Target <= 1.5 (GShard: 1.7x for 16x experts and devices).
+  Target <= 1.5 (GShard: 1.7x for 16x experts and devices). Every layer variant is timed
+  interleaved (``benchmarks/_timing.py``); ratios are medians of per-round ratios, with
+  ``t64_over_t8_spread`` (and ``_spread`` beside each ratio) saying how far the rounds disagreed.
 - ``moe_vs_dense_speed``: dense FFN time / MoE layer time, the dense FFN having the MoE's
   per-token FLOPs (width 2 * H for top-2), capacity factor 1.0 (MoE buffers then hold exactly the
   2 assignments per token the dense FFN pays for). Target >= 0.5.
@@ -42,20 +44,29 @@ from carlskit.moe import (  # noqa: E402
     toy_multilingual_corpus,
 )
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _timing import interleave, medians, ratio  # noqa: E402
 
-def fastest_times(calls: dict, rounds: int) -> dict:
-    """Fastest wall time of each zero-argument call, measured round-robin after one warm-up
-    (compilation) call each: every call sees the same background load, and the minimum is the
-    measurement least disturbed by other processes on a shared machine."""
+
+def interleaved_times(calls: dict, rounds: int, calls_per_sample: int = 3) -> dict:
+    """Seconds per call of each zero-argument call, sampled interleaved ``rounds`` times
+    (``benchmarks/_timing.py``: one sample of each per round, order rotated) after one warm-up
+    (compilation) call each; a sample is ``calls_per_sample`` calls in a row. Returns
+    ``{name: [seconds per call, per round]}``; ratios are formed per round, so every pair compared
+    was measured seconds apart, under the same load from other processes."""
     for call in calls.values():
         jax.block_until_ready(call())
-    best = {name: float("inf") for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+
+    def sample(call):
+        def run() -> float:
             start = time.perf_counter()
-            jax.block_until_ready(call())
-            best[name] = min(best[name], time.perf_counter() - start)
-    return best
+            for _ in range(calls_per_sample):
+                jax.block_until_ready(call())
+            return (time.perf_counter() - start) / calls_per_sample
+
+        return run
+
+    return interleave({name: sample(call) for name, call in calls.items()}, rounds, warmup=False)
 
 
 def forward_backward(layer: nnx.Module):
@@ -84,21 +95,22 @@ def moe_step(x, d_model, hidden, num_experts, capacity_factor, dispatch):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
-    parser.add_argument("--only", choices=("layers", "text"), default=None, help="run one part only")
+    parser.add_argument("--only", choices=("layers", "scaling", "text"), default=None,
+                        help="run one part only (scaling: the layer timings without the capacity-factor sweep)")
     parser.add_argument("--seeds", type=int, default=3, help="seeds of the text comparison")
     parser.add_argument("--jobs", type=int, default=1, help="processes for the text comparison (one seed each)")
     args = parser.parse_args()
     small = args.small
     groups, group_size, d_model, hidden = (4, 128, 32, 128) if small else (8, 256, 64, 256)
-    rounds = 5 if small else 15
+    rounds = 5 if small else 21
     x = jnp.asarray(np.random.default_rng(0).normal(size=(groups, group_size, d_model)).astype(np.float32))
     result: dict = {
         "device": jax.devices()[0].platform,
         "tokens": groups * group_size, "group_size": group_size, "d_model": d_model, "expert_hidden": hidden,
     }
     if args.only != "text":
-        layer_benchmarks(result, x, small, rounds)
-    if args.only != "layers":
+        layer_benchmarks(result, x, small, rounds, sweep=args.only != "scaling")
+    if args.only not in ("layers", "scaling"):
         text_benchmark(result, small, args.seeds, args.jobs)
     result["small"] = small
     print(json.dumps(result))
@@ -149,8 +161,8 @@ def text_benchmark(result: dict, small: bool, seeds: int, jobs: int = 1) -> None
     }
 
 
-def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> None:
-    """Expert scaling, MoE vs dense FFN speed, and the capacity-factor sweep."""
+def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int, sweep: bool = True) -> None:
+    """Expert scaling, MoE vs dense FFN speed, and (``sweep``) the capacity-factor sweep."""
     d_model = x.shape[-1]
     hidden = 128 if small else 256
 
@@ -164,22 +176,29 @@ def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> No
         calls[("capacity", capacity_factor)] = moe_step(x, d_model, hidden, 8, capacity_factor, "scatter")
     dense_step = forward_backward(FeedForward(d_model, 2 * hidden, rngs=nnx.Rngs(0)))
     calls[("dense", 2 * hidden)] = lambda: dense_step(x)
-    times = fastest_times(calls, rounds)
+    samples = interleaved_times({f"{kind}:{value}": call for (kind, value), call in calls.items()}, rounds)
+    times = {tuple(name.split(":")): t for name, t in medians(samples).items()}
+    times = {(kind, float(value) if kind == "capacity" else int(value)): t for (kind, value), t in times.items()}
     for (kind, value), t in times.items():
         print(f"[layer] {kind} {value}: {1e3 * t:.2f} ms", flush=True)
     result["step_ms_by_experts"] = {
         d: {e: round(1e3 * times[(d, e)], 3) for e in (8, 16, 32, 64)} for d in ("scatter", "einsum")
     }
-    result["t64_over_t8"] = round(times[("scatter", 64)] / times[("scatter", 8)], 3)
-    result["t64_over_t8_einsum"] = round(times[("einsum", 64)] / times[("einsum", 8)], 3)
+    for key, numerator, denominator in (("t64_over_t8", "scatter:64", "scatter:8"),
+                                        ("t64_over_t8_einsum", "einsum:64", "einsum:8")):
+        result.update({name: round(value, 3) for name, value in ratio(samples, numerator, denominator, key).items()})
     result["einsum_over_scatter_E8"] = round(times[("einsum", 8)] / times[("scatter", 8)], 3)
     result["dense_ms"] = round(1e3 * times[("dense", 2 * hidden)], 3)
     for capacity_factor in (1.0, 1.25, 2.0):
-        ratio = times[("dense", 2 * hidden)] / times[("capacity", capacity_factor)]
-        result[f"moe_vs_dense_speed_cf{capacity_factor}"] = round(ratio, 3)
+        speed = ratio(samples, f"dense:{2 * hidden}", f"capacity:{capacity_factor}",
+                      f"moe_vs_dense_speed_cf{capacity_factor}")
+        result.update({name: round(value, 3) for name, value in speed.items()})
     result["moe_vs_dense_speed"] = result["moe_vs_dense_speed_cf1.0"]
+    result["moe_vs_dense_speed_spread"] = result["moe_vs_dense_speed_cf1.0_spread"]
 
     # 3. Capacity factor x aux loss: drops and train-step time of a small MoEModel.
+    if not sweep:
+        return
     length, steps = (32, 60) if small else (64, 200)
     corpus, _ = toy_multilingual_corpus(512 if small else 2048, length, vocab_size=64, num_languages=8)
     sweep = {}
@@ -191,13 +210,13 @@ def layer_benchmarks(result: dict, x: jax.Array, small: bool, rounds: int) -> No
             )
             history = model.fit(corpus, steps=steps, batch_size=16, learning_rate=3e-3, seed=0)
             tail = slice(-max(1, steps // 5), None)
-            step_seconds = np.diff(history["seconds"])[tail]
+            step_seconds = np.diff(history.column("seconds"))[tail]
             entry = {
-                "dropped_tokens": round(float(np.mean(history["dropped_tokens"][tail])), 4),
-                "dropped_first": round(float(np.mean(history["dropped_first"][tail])), 4),
-                "dropped_second": round(float(np.mean(history["dropped_second"][tail])), 4),
-                "max_expert_load": round(float(np.max(np.mean(history["expert_load"][tail], axis=0))), 4),
-                "cross_entropy": round(float(np.mean(history["cross_entropy"][tail])), 4),
+                "dropped_tokens": round(float(np.mean(history.column("dropped_tokens")[tail])), 4),
+                "dropped_first": round(float(np.mean(history.column("dropped_first")[tail])), 4),
+                "dropped_second": round(float(np.mean(history.column("dropped_second")[tail])), 4),
+                "max_expert_load": round(float(np.max(np.mean(history.column("expert_load")[tail], axis=0))), 4),
+                "cross_entropy": round(float(np.mean(history.column("cross_entropy")[tail])), 4),
                 "step_ms": round(1e3 * float(np.median(step_seconds)), 3),
             }
             sweep[f"cf{capacity_factor}_aux{aux_loss_weight}"] = entry

@@ -4,11 +4,18 @@ Django corpus (``data/translation``), BLEU per language.
 Run from the repo root: ``python benchmarks/moe_translation.py [--small] [--seeds 0 1 2] [--steps N]``.
 Prints progress and the per-language table on stderr, then ONE JSON object as the last line of stdout:
 
-- ``test_bleu_dense``, ``test_bleu_moe_8``, ``test_bleu_moe_32``: test BLEU (sacrebleu, greedy),
-  mean over tags (12 languages into English, English into fr and de), mean over seeds;
-  ``test_chrf_*`` the same for chrF; ``bleu_per_seed`` the mean BLEU of each run.
-- ``bleu_seed_spread``: the largest max - min over seeds of one model's mean BLEU.
-- ``beam4_over_greedy_bleu``: beam search (4, alpha 0.6) BLEU over greedy BLEU, MoE-32 seed 0.
+- ``test_bleu_dense``, ``test_bleu_moe_8``, ``test_bleu_moe_32``: test BLEU (sacrebleu corpus BLEU
+  per tag, greedy), mean over tags (all 98 languages into English, English into fr and de), mean
+  over seeds; ``test_chrf_*`` the same for chrF; ``bleu_per_seed`` the mean BLEU of each run.
+- ``bleu_seed_spread``: the seed standard deviation (ddof=1) of a run's mean BLEU, the largest over
+  the three models (``bleu_seed_std`` has each model's). The bar compares the difference of two
+  models' seed means with it.
+- ``bleu_gain_moe_32_per_seed``: MoE-32 minus dense per seed. Runs of one seed are paired: the same
+  batches in the same order and the same dropout / routing random stream (the parameters differ:
+  the models have different shapes); ``bleu_gain_moe_32_std`` their standard deviation (ddof=1).
+- ``beam4_over_greedy_bleu``: beam search (4, alpha 0.6) BLEU over greedy BLEU, MoE-32 of the first
+  seed, on the first 8 test pairs of each tag (``beam_test_pairs``; beam 4 on all costs 4 greedy
+  decodings).
 - ``cached_over_uncached_decode_speed``: greedy decoding tokens per second with the key-value cache
   over without (the prefix re-run each step), one batch of 64 test sources, MoE-32 seed 0, fastest
   of 3; ``cached_equals_uncached``: the two decodings' ids are equal.
@@ -18,6 +25,7 @@ Prints progress and the per-language table on stderr, then ONE JSON object as th
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import sys
@@ -84,7 +92,12 @@ def main() -> None:
         out[f"train_seconds_{name}"] = float(np.mean([r["train_seconds"] for r in mine]))
         out[f"parameters_{name}"] = mine[0]["parameters"]
         out[f"valid_cross_entropy_{name}"] = float(np.mean([r["valid_loss"] for r in mine]))
-    out["bleu_seed_spread"] = float(max(np.ptp(v) for v in out["bleu_per_seed"].values()))
+    spread = (lambda v: float(np.std(v, ddof=1))) if len(args.seeds) > 1 else (lambda v: 0.0)
+    out["bleu_seed_std"] = {name: spread(v) for name, v in out["bleu_per_seed"].items()}
+    out["bleu_seed_spread"] = max(out["bleu_seed_std"].values())
+    gains = np.subtract(out["bleu_per_seed"]["moe_32"], out["bleu_per_seed"]["dense"])
+    out["bleu_gain_moe_32_per_seed"] = gains.tolist()
+    out["bleu_gain_moe_32_std"] = spread(gains)
     out["per_language"] = {
         tag: {"train_pairs": result["train_sizes"][tag], "test_pairs": result["test_sizes"][tag],
               **{name: float(np.mean([r["scores"][tag]["bleu"] for r in runs if r["num_experts"] == e]))
@@ -93,16 +106,27 @@ def main() -> None:
     }
     for row in out["per_language"].values():
         row["gain_moe_32"] = row["moe_32"] - row["dense"]
+    print("SCORES " + json.dumps(out), file=sys.stderr, flush=True)  # the bar's figures, before decoding tests
     best = next(r for r in runs if r["num_experts"] == 32 and r["seed"] == args.seeds[0])
     model = best["model"]
-    beam = model.translate([t[1] for t in test], [t[0] for t in test], beam_size=4)
-    beam_scores = translation_scores(beam, [t[2] for t in test], [t[0] for t in test])
+    first, counts = [], collections.Counter()  # the first 8 test pairs of each tag
+    for i, t in enumerate(test):
+        counts[t[0]] += 1
+        if counts[t[0]] <= 8:
+            first.append(i)
+    subset = [test[i] for i in first]
+    beam = model.translate([t[1] for t in subset], [t[0] for t in subset], beam_size=4)
+    beam_scores = translation_scores(beam, [t[2] for t in subset], [t[0] for t in subset])
+    greedy_scores = translation_scores([best["hypotheses"][i] for i in first], [t[2] for t in subset],
+                                       [t[0] for t in subset])
+    out["beam_test_pairs"] = len(subset)
+    out["test_bleu_moe_32_greedy_subset"] = greedy_scores["mean"]["bleu"]
     out["test_bleu_moe_32_beam4"] = beam_scores["mean"]["bleu"]
-    out["beam4_over_greedy_bleu"] = beam_scores["mean"]["bleu"] / max(best["scores"]["mean"]["bleu"], 1e-9)
+    out["beam4_over_greedy_bleu"] = beam_scores["mean"]["bleu"] / max(greedy_scores["mean"]["bleu"], 1e-9)
     source = model.encode_sources([t[1] for t in test[:64]], [t[0] for t in test[:64]])
     out.update(decode_speed(model, source))
-    out["examples"] = [{"tag": t[0], "source": t[1], "reference": t[2], "greedy": g, "beam4": b}
-                       for t, g, b in list(zip(test, best["hypotheses"], beam))[:: max(1, len(test) // 12)]]
+    out["examples"] = [{"tag": t[0], "source": t[1], "reference": t[2], "greedy": best["hypotheses"][i], "beam4": b}
+                       for i, t, b in list(zip(first, subset, beam))[:: max(1, len(subset) // 12)]]
     out["wall_seconds"] = time.perf_counter() - started
     out["load_average_end"] = os.getloadavg()[0]
     print(f"{'tag':>6} {'train':>6} {'dense':>6} {'moe_8':>6} {'moe_32':>6} {'gain':>6}", file=sys.stderr)

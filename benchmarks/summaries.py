@@ -23,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import carlskit  # noqa: E402
 from carlskit.summaries import SummaryReader, SummaryWriter  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _timing import interleave, medians, ratio  # noqa: E402
+
 NAMES = [f"train/metric_{index}" for index in range(16)]
 
 
@@ -50,15 +53,6 @@ def log_tensorboardx(logdir: str, count: int) -> float:
     return elapsed
 
 
-def best_of(repeats: int, function) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--small", action="store_true", help="quick run (also CARLSKIT_SMALL=1)")
@@ -67,8 +61,12 @@ def main() -> None:
     ours_count = 200_000 if small else 1_000_000
     tensorboard_count = 20_000 if small else 100_000
     read_points = 200_000 if small else 1_000_000
+    # vs_tensorboardx: both writers interleaved (benchmarks/_timing.py), ``repeats`` runs each of
+    # these many calls, the ratio of rates formed within each repeat.
+    repeats = 3 if small else 5
+    ours_per_repeat, tensorboard_per_repeat = ours_count // 5, tensorboard_count // 5
 
-    results: dict[str, float | int | str] = {"small": small}
+    results: dict[str, float | int | str] = {"small": small, "repeats": repeats}
     with tempfile.TemporaryDirectory(prefix="carlskit-bench-summaries-") as root:
         root = Path(root)
         client = carlskit.connect(n_workers=2)
@@ -81,6 +79,24 @@ def main() -> None:
                 seconds = log_per_call(writer, ours_count)
             assert SummaryReader(root / "distributed").count(NAMES[0]) == ours_count // 16
             results["scalars_per_s"] = round(ours_count / seconds)
+            runs = iter(range(10 * repeats))
+
+            def ours() -> float:  # seconds per scalar() call, a fresh writer (its actors) each repeat
+                with SummaryWriter(root / f"ours-{next(runs)}", client=client, flush_every_seconds=0.5) as writer:
+                    return log_per_call(writer, ours_per_repeat) / ours_per_repeat
+
+            def tensorboard() -> float:
+                return log_tensorboardx(str(root / f"tensorboardx-{next(runs)}"),
+                                        tensorboard_per_repeat) / tensorboard_per_repeat
+
+            print(f"carlskit vs tensorboardX, interleaved: {repeats} x ({ours_per_repeat} scalar(), "
+                  f"{tensorboard_per_repeat} add_scalar()) ...", flush=True)
+            samples = interleave({"carlskit": ours, "tensorboardx": tensorboard}, repeats, warmup=False)
+            per_call = medians(samples)
+            results["scalars_per_s_interleaved"] = round(1 / per_call["carlskit"])
+            results["tensorboardx_scalars_per_s"] = round(1 / per_call["tensorboardx"])
+            results.update({name: round(value, 3) for name, value
+                            in ratio(samples, "tensorboardx", "carlskit", "vs_tensorboardx").items()})
             with SummaryWriter(root / "batched", client=client) as writer:
                 values, steps = np.linspace(0, 1, ours_count), np.arange(ours_count)
                 start = time.perf_counter()
@@ -93,11 +109,6 @@ def main() -> None:
         with SummaryWriter(root / "direct", flush_every_seconds=0.5) as writer:
             results["scalars_per_s_direct"] = round(ours_count / log_per_call(writer, ours_count))
 
-        print(f"tensorboardX: {tensorboard_count} add_scalar() calls ...", flush=True)
-        tensorboard_seconds = log_tensorboardx(str(root / "tensorboardx"), tensorboard_count)
-        results["tensorboardx_scalars_per_s"] = round(tensorboard_count / tensorboard_seconds)
-        results["vs_tensorboardx"] = round(results["scalars_per_s"] / results["tensorboardx_scalars_per_s"], 2)
-
         print(f"reading {read_points} points of one summary ...", flush=True)
         read_dir = root / "read"
         with SummaryWriter(read_dir, flush_every_seconds=60) as writer:
@@ -108,16 +119,18 @@ def main() -> None:
         (path,) = read_dir.glob("*.level0.summaries")
         frame = SummaryReader(read_dir).scalars("loss")
         assert len(frame) == read_points and frame["step"].iat[-1] == read_points - 1
-        read_seconds = best_of(3, lambda: SummaryReader(read_dir).scalars("loss"))
-        fromfile_seconds = best_of(3, lambda: np.fromfile(path, dtype=np.uint8))
-        subsampled_seconds = best_of(3, lambda: SummaryReader(read_dir).scalars("loss", max_points=5_000))
+        reads = interleave({"read": lambda: SummaryReader(read_dir).scalars("loss"),
+                            "fromfile": lambda: np.fromfile(path, dtype=np.uint8),
+                            "subsampled": lambda: SummaryReader(read_dir).scalars("loss", max_points=5_000)},
+                           repeats=9)
+        read_times = medians(reads)
         results.update({
             "read_points": read_points,
             "read_file_mb": round(path.stat().st_size / 2**20, 2),
-            "read_s": round(read_seconds, 4),
-            "fromfile_s": round(fromfile_seconds, 4),
-            "read_vs_fromfile": round(fromfile_seconds / read_seconds, 3),
-            "read_subsampled_5k_s": round(subsampled_seconds, 4),
+            "read_s": round(read_times["read"], 4),
+            "fromfile_s": round(read_times["fromfile"], 4),
+            **{name: round(value, 3) for name, value in ratio(reads, "fromfile", "read", "read_vs_fromfile").items()},
+            "read_subsampled_5k_s": round(read_times["subsampled"], 4),
         })
     print(json.dumps(results))
 

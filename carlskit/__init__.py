@@ -33,6 +33,7 @@ _EXPORTS = {
     "SummaryWriter": "carlskit.summaries",
     "SummaryReader": "carlskit.summaries",
     "RestartPolicy": "carlskit.cluster",
+    "History": "carlskit._history",  # what every training loop returns (imports only NumPy)
     # exception types: from a module that imports neither JAX nor Dask
     "CorruptFileError": "carlskit._errors",
     "ServiceGaveUpError": "carlskit._errors",
@@ -46,6 +47,7 @@ __all__ = [*_EXPORTS, *_SUBPACKAGES]
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit import widgets
     from carlskit._errors import CorruptFileError, ServiceGaveUpError, WorkerLostError
+    from carlskit._history import History
     from carlskit.bank import KnowledgeBank
     from carlskit.checkpoints import CheckpointStore
     from carlskit.cluster import RestartPolicy, connect, devices

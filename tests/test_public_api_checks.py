@@ -243,6 +243,8 @@ CASES = {
     "Maker num_slices type": (lambda api: makers.Maker(never, np.arange(4), num_slices=1.5), T, "num_slices"),
     "Maker num_slices value": (lambda api: makers.Maker(never, np.arange(4), num_slices=5), V, "num_slices"),
     "Maker name": (lambda api: makers.Maker(never, np.arange(4), name=3), T, "name"),
+    "Maker max_cpu_fraction": (lambda api: makers.Maker(never, np.arange(4), max_cpu_fraction=2.0), V,
+                               "max_cpu_fraction"),
     "Maker.start checkpoints": (lambda api: api.maker.start("checkpoints", None), T, "checkpoints"),
     "EmbeddingMaker encode": (lambda api: makers.EmbeddingMaker(never, 3, np.zeros((4, 2))), T, "encode"),
     "EmbeddingMaker table": (lambda api: makers.EmbeddingMaker(never, never, np.zeros((4, 2)), table=3), T, "table"),

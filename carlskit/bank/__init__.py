@@ -10,7 +10,8 @@ gradients sent with ``apply_gradients`` are cached until the key is looked up, u
 1. gradients containing NaN or Inf are dropped (``stats()["tables"][t]["dropped_nonfinite"]``);
 2. if at least 3 remain, g_i is dropped when ``||g_i|| > median(n) + outlier_threshold * 1.4826 *
    median(|n - median(n)|)`` over the remaining norms n (``dropped_outliers``; default threshold 3);
-3. the rest are averaged, g = mean(g_i), and one step is taken: ``sgd`` v -= lr * g, ``adagrad``
+3. the rest are averaged, g = mean(g_i) (``combine="sum"``: summed, g = sum(g_i); when to use
+   which: :mod:`carlskit.bank._lazy`), and one step is taken: ``sgd`` v -= lr * g, ``adagrad``
    a += g**2, v -= lr * g / sqrt(a + eps) (a starts at ``initial_accumulator_value``).
 
 Gradients from every sender (processes, Dask tasks) are cached and counted; ``update`` of a key
@@ -23,7 +24,9 @@ Layout: :class:`KnowledgeBank` (``_bank``) is a facade that validates every call
 - ``_transport``: the shard set (``ShardSet``): where the shards live (in-process objects or Dask
   actors), routing keys to shards, submitting one call per shard and collecting the answers (direct
   ZeroMQ path of ``_direct`` or Dask's actor RPC), lost shards recognised by type
-  (:mod:`carlskit.cluster._loss`) as :class:`ShardLostError`, and a lost shard started again;
+  (:func:`carlskit.cluster.is_worker_loss`, :func:`carlskit.cluster.actor_lost`) as
+  :class:`ShardLostError`, and a lost shard started again on the least-loaded live worker
+  (:meth:`carlskit.cluster.Placement.choose`);
 - ``_snapshot``: the snapshot format, save, load, manifest validation, where a lost shard is
   rebuilt from (its write-ahead log in ``_wal``) and the bank's automatic snapshots
   (``BankSnapshots``);
@@ -32,9 +35,11 @@ Layout: :class:`KnowledgeBank` (``_bank``) is a facade that validates every call
 """
 
 from carlskit.bank._bank import KnowledgeBank
+from carlskit.bank._config import EmbeddingTableConfig, FeatureTableConfig, TableConfig
 from carlskit.bank._hashing import key_from_string
 from carlskit.bank._lazy import CombinedGradients, adagrad_step, combine_gradients, sgd_step
 from carlskit.bank._transport import BankFuture, ShardLostError
 
-__all__ = ["KnowledgeBank", "BankFuture", "ShardLostError", "key_from_string", "combine_gradients",
+__all__ = ["KnowledgeBank", "EmbeddingTableConfig", "FeatureTableConfig", "TableConfig", "BankFuture",
+           "ShardLostError", "key_from_string", "combine_gradients",
            "CombinedGradients", "sgd_step", "adagrad_step"]

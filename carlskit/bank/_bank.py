@@ -34,7 +34,7 @@ from carlskit.bank._nearest import METRICS, top_k
 from carlskit.bank._snapshot import Location, SnapshotSeries, read_manifest
 from carlskit.bank._transport import BankFuture, ShardLostError, ShardSet
 from carlskit.bank._wal import DURABILITY
-from carlskit.cluster._placement import Placement
+from carlskit.cluster import Placement
 
 __all__ = ["KnowledgeBank", "BankFuture", "ShardLostError"]
 
@@ -275,8 +275,10 @@ class KnowledgeBank:
 
     def create_table(self, name: str, *args: Any, capacity: int = 1024, **options: Any) -> None:
         """Create an embedding table of float32 rows: ``create_table(name, dim, initializer="normal",
-        seed=0, **options)``, the options of :class:`~carlskit.bank._config.EmbeddingTableConfig`
-        (an unknown or bad one: TypeError/ValueError naming it, nothing created).
+        seed=0, **options)``, the options of :class:`carlskit.bank.EmbeddingTableConfig` (an unknown
+        or bad one: TypeError/ValueError naming it, nothing created); or ``create_table(name,
+        config)`` with a config object built beforehand (an :class:`~carlskit.bank.EmbeddingTableConfig`,
+        whose options an editor's signature help shows, or a :class:`~carlskit.bank.FeatureTableConfig`).
 
         Options:
           dim: the row width.
@@ -298,7 +300,13 @@ class KnowledgeBank:
             :class:`carlskit.bank._tables.EmbeddingTable`. Need ``index="flat"``.
           capacity: expected rows (preallocation hint only).
         """
-        self._create(name, EmbeddingTableConfig(*args, **options), self._capacity(capacity))
+        if args and isinstance(args[0], TableConfig):
+            if len(args) > 1 or options:
+                raise TypeError("create_table(name, config) takes no other options: they are the config's")
+            config = args[0]
+        else:
+            config = EmbeddingTableConfig(*args, **options)
+        self._create(name, config, self._capacity(capacity))
 
     def create_feature_table(self, name: str, schema: dict[str, tuple[str, int]], *,
                              capacity: int = 1024) -> None:
@@ -317,6 +325,25 @@ class KnowledgeBank:
         """Configuration of every table as a dict (``{"kind": ..., option: value}``, new on every
         call: editing it changes nothing in the bank)."""
         return {name: config.to_dict() for name, config in self._all_configs().items()}
+
+    def table_config(self, name: str, kind: str | None = None, fields: tuple[str, ...] = ()) -> TableConfig:
+        """The typed config of table ``name``: an :class:`~carlskit.bank.EmbeddingTableConfig` or a
+        :class:`~carlskit.bank.FeatureTableConfig` (frozen; ``.dim``, ``.fields[field] == (dtype,
+        width)``...). ``ValueError`` unless the table exists, is of ``kind`` (``"embedding"`` or
+        ``"feature"``, when given) and, for a feature table, has exactly ``fields`` (when given)."""
+        configs = self._all_configs()
+        if name not in configs:
+            raise ValueError(f"the bank has no table {name!r} (tables: {sorted(configs)})")
+        config = configs[name]
+        wanted = f"a feature table with fields {' and '.join(fields)}" if fields else \
+            f"{'an' if kind == 'embedding' else 'a'} {kind} table"
+        if kind is not None and config.kind != kind:
+            raise ValueError(f"table {name!r} must be {wanted}, got {'an' if config.kind == 'embedding' else 'a'} "
+                             f"{config.kind} table")
+        if fields and (config.kind != "feature" or set(config.fields) != set(fields)):
+            got = sorted(config.fields) if config.kind == "feature" else "no fields"
+            raise ValueError(f"table {name!r} must be {wanted}, got fields {got}")
+        return config
 
     def _all_configs(self, shard: int = 0) -> dict[str, TableConfig]:
         """Every table's config, as shard ``shard`` knows them (tables may be created elsewhere)."""

@@ -21,6 +21,7 @@ from typing import Any, Callable, ClassVar
 import numpy as np
 
 from carlskit._checks import choice, finite_float, int64, integer, positive_float
+from carlskit.bank._lazy import COMBINES
 from carlskit.bank._nearest import METRICS
 
 INITIALIZERS = ("zeros", "normal", "uniform")
@@ -101,6 +102,7 @@ class EmbeddingTableConfig(TableConfig):
     max_pending: int = _option(integer, 16, minimum=1)
     pending_ttl_seconds: float = _option(finite_float, 60.0, minimum=0.0, allow_infinity=True)
     outlier_threshold: float = _option(positive_float, 3.0)
+    combine: str = _option(choice, "mean", allowed=COMBINES)
     index: str = _option(choice, "flat", allowed=INDEXES)
     index_metric: str = _option(choice, "dot", allowed=METRICS)
     hnsw_m: int = _option(integer, 32, minimum=2)
@@ -157,6 +159,11 @@ class FeatureTableConfig(TableConfig):
     def to_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "schema": {field: [dtype, width]
                                               for field, dtype, width in self.schema}}
+
+    @property
+    def fields(self) -> dict[str, tuple[str, int]]:
+        """``{field: (dtype name, width)}`` in schema order (a new dict)."""
+        return {field: (dtype, width) for field, dtype, width in self.schema}
 
     def __post_init__(self) -> None:
         if isinstance(self.schema, tuple):  # already checked (a copy: dataclasses.replace)

@@ -10,9 +10,18 @@ Gradients sent for a key are cached until the next lookup of that key, until the
    where n are the L2 norms of the remaining gradients and ``MAD(n) = median(|n - median(n)|)``
    (1.4826 * MAD estimates the standard deviation of normal data). With MAD = 0 every norm above
    the median is an outlier;
-3. the remaining gradients are averaged, g = mean_i g_i, and one optimizer step is taken:
+3. the remaining gradients are combined, g = mean_i g_i (``combine="mean"``, the default) or
+   g = sum_i g_i (``combine="sum"``), and one optimizer step is taken:
    ``sgd``: v <- v - lr * g;  ``adagrad``: a <- a + g**2, v <- v - lr * g / sqrt(a + eps).
    A key whose gradients were all dropped is left unchanged.
+
+Mean or sum: the mean is right when each gradient is that of a mean loss over its sender's batch
+(data-parallel averaging: n trainers' gradients of one row average to the gradient of the mean loss
+over their n batches). The sum is right when the loss is a sum over examples (word2vec / DeepWalk's
+per-pair SGD, whose gradient of a row is the sum over its uses): with SGD, ``combine="sum"`` gives
+exactly the row that applying each gradient on arrival gives (``max_pending=1``), only later, in
+one step, with the outliers dropped; averaging instead divides the step of a row by the number of
+gradients it cached (two trainers touching it: half the step).
 
 Everything is vectorized over keys: ``groups`` gives, per cached gradient, the index of its key.
 """
@@ -24,14 +33,15 @@ from typing import NamedTuple
 import numpy as np
 
 MAD_TO_STD = 1.4826
+COMBINES = ("mean", "sum")
 
 
 class CombinedGradients(NamedTuple):
     """Result of :func:`combine_gradients`."""
 
     group_index: np.ndarray  # int64 [m]: groups (keys) that received an averaged gradient
-    mean_gradient: np.ndarray  # float32 [m, dim]
-    count: np.ndarray  # int64 [m]: gradients averaged per group
+    gradient: np.ndarray  # float32 [m, dim]: the combined (mean or summed) gradient of each group
+    count: np.ndarray  # int64 [m]: gradients combined per group
     dropped_nonfinite: int
     dropped_outliers: int
 
@@ -51,16 +61,20 @@ def _group_median(values: np.ndarray, groups: np.ndarray, num_groups: int) -> np
 
 
 def combine_gradients(
-    gradients: np.ndarray, groups: np.ndarray, num_groups: int, outlier_threshold: float = 3.0
+    gradients: np.ndarray, groups: np.ndarray, num_groups: int, outlier_threshold: float = 3.0,
+    combine: str = "mean",
 ) -> CombinedGradients:
-    """Steps 1-2-3 (averaging part) of the lazy rule for all groups at once.
+    """Steps 1-2-3 (combining part) of the lazy rule for all groups at once.
 
     Args:
       gradients: float32 [n, dim] cached gradients, in any order.
       groups: int64 [n] key index (0..num_groups-1) of each gradient.
       num_groups: number of keys.
       outlier_threshold: k in ``median + k * 1.4826 * MAD``.
+      combine: ``"mean"`` or ``"sum"`` of each group's remaining gradients.
     """
+    if combine not in COMBINES:
+        raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
     finite = np.isfinite(gradients).all(axis=1)
     dropped_nonfinite = int(len(finite) - finite.sum())
     if dropped_nonfinite:
@@ -100,7 +114,7 @@ def combine_gradients(
         ends = np.cumsum(group_counts[multi]) - 1
         sums = running[ends]
         sums[1:] -= running[ends[:-1]]
-        mean[multi] = sums / group_counts[multi][:, None]
+        mean[multi] = sums / group_counts[multi][:, None] if combine == "mean" else sums
     return CombinedGradients(
         group_index, mean.astype(np.float32, copy=False), counts[group_index],
         dropped_nonfinite, dropped_outliers,

@@ -622,7 +622,7 @@ class BankSnapshots:
         """Call ``take()`` every ``every_seconds`` and/or once ``max_version()`` grew by
         ``every_versions``, checked every ``poll_seconds`` by a supervised thread (a failed
         snapshot is retried with backoff; see :meth:`status`)."""
-        from carlskit.cluster._supervised import LongRunningTasks, ThreadStopFlag
+        from carlskit.cluster import LongRunningTasks, ThreadStopFlag
 
         self._stop = ThreadStopFlag()
         self._thread = LongRunningTasks(None, "carlskit-bank-snapshots", piece="snapshotter")

@@ -490,11 +490,12 @@ class EmbeddingTable(RowStore):
         return True
 
     def flush_rows(self, rows: np.ndarray, now: float) -> None:
-        """Apply the cached gradients of distinct ``rows`` with the lazy averaged rule."""
+        """Apply the cached gradients of distinct ``rows`` with the lazy rule (mean or sum)."""
         gradients, groups = self.pending.take(rows, self._head, self._count)
         if len(groups) == 0:
             return
-        combined = combine_gradients(gradients, groups, len(rows), self.config.outlier_threshold)
+        combined = combine_gradients(gradients, groups, len(rows), self.config.outlier_threshold,
+                                     self.config.combine)
         self.counters["dropped_nonfinite"] += combined.dropped_nonfinite
         self.counters["dropped_outliers"] += combined.dropped_outliers
         self.counters["gradients_applied"] += int(combined.count.sum())
@@ -504,10 +505,10 @@ class EmbeddingTable(RowStore):
         target = rows[combined.group_index]
         c = self.config
         if c.optimizer == "sgd":
-            new_values = sgd_step(self.values[target], combined.mean_gradient, c.learning_rate)
+            new_values = sgd_step(self.values[target], combined.gradient, c.learning_rate)
         else:
             new_values, self.columns["accumulator"][target] = adagrad_step(
-                self.values[target], self.accumulator[target], combined.mean_gradient,
+                self.values[target], self.accumulator[target], combined.gradient,
                 c.learning_rate, c.epsilon)
         self._write_values(target, new_values, now)
 

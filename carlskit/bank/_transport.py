@@ -13,6 +13,7 @@ lost shard again on a live worker (what ``KnowledgeBank.recover`` fills from a s
 
 from __future__ import annotations
 
+import collections
 import functools
 import gc
 import threading
@@ -25,8 +26,7 @@ from carlskit.bank._direct import DirectCall, DirectPath, DirectPathLost, Direct
 from carlskit.bank._hashing import shard_of
 from carlskit.bank._shard import _Shard
 from carlskit.bank._snapshot import run_parallel
-from carlskit.cluster._loss import actor_lost, is_worker_loss
-from carlskit.cluster._placement import Placement
+from carlskit.cluster import Placement, actor_lost, is_worker_loss, worker_gone
 
 #: Short batch methods run on the worker's event loop (``separate_thread=False``): this saves a
 #: thread hand-off per call. Long ones (nearest, sample, stats, snapshots) keep Dask's actor thread.
@@ -333,15 +333,7 @@ class ShardSet:
         """Whether shard ``index``'s actor is known to be gone: the future that created it is no
         longer finished, or its worker left the cluster (state, never an error message)."""
         future = self.futures[index] if self.futures else getattr(self.shards[index], "_future", None)
-        if actor_lost(future):
-            return True
-        if self.client is None or self.workers[index] is None:
-            return False
-        try:
-            workers = self.client.scheduler_info(n_workers=-1)["workers"]
-        except Exception:  # noqa: BLE001 - no answer from the scheduler: nothing known
-            return False
-        return self.workers[index] not in workers
+        return actor_lost(future) or worker_gone(self.client, self.workers[index])
 
     def lost(self) -> list[int]:
         """Shards whose actor or worker is gone (each checked by its actor's state, then a ping)."""
@@ -377,15 +369,13 @@ class ShardSet:
         return worker, filled
 
     def _pick_worker(self, lost: list[int]) -> str:
-        """A live worker of the placement for a rebuilt shard: the one holding the fewest live shards."""
-        workers = self.placement.candidates(self.client)
+        """A live worker of the placement for a rebuilt shard: the one holding the fewest live shards
+        (:meth:`carlskit.cluster.Placement.choose` with their load), never one whose shard was lost."""
         dead = {self.workers[i] for i in lost}
-        candidates = [w for w in workers if w not in dead]
-        if not candidates:
+        if not set(self.placement.candidates(self.client)) - dead:
             raise ShardLostError(f"no live worker to rebuild shards {lost} on (placement: {self.placement})")
-        load = {w: sum(1 for i, sw in enumerate(self.workers) if sw == w and i not in lost)
-                for w in candidates}
-        return min(candidates, key=lambda w: (load[w], w))
+        load = collections.Counter(w for i, w in enumerate(self.workers) if i not in lost)
+        return self.placement.choose(self.client, exclude=dead, load=load)
 
     def close(self) -> None:
         """Release the shard actors (owned) or drop the handles / in-process shards."""

@@ -177,7 +177,10 @@ class ActorHost:
             raise
         old = self.future
         self.actor, self.future = actor, future
-        holders = self.client.who_has(future).get(future.key) or ()
+        try:
+            holders = self.client.who_has(future).get(future.key) or ()
+        except Exception:  # noqa: BLE001 - the placement's choice stands
+            holders = ()
         self.worker = holders[0] if holders else self._creating_worker
         if old is not None:
             old.release()
@@ -198,11 +201,9 @@ class ActorHost:
 
     def lost(self) -> bool:
         """Whether the actor is gone: its future's state, or its worker missing from the scheduler."""
-        if self.future is None:
-            return False
-        if actor_lost(self.future):
+        if self.future is not None and actor_lost(self.future):
             return True
-        return worker_gone(self.client, self.worker)
+        return self.actor is not None and worker_gone(self.client, self.worker)
 
     def release(self) -> None:
         """Release the actor's futures (the actor ends once no one else holds it)."""

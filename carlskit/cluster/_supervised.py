@@ -47,6 +47,7 @@ from carlskit.cluster._placement import NoWorkerError, Placement
 from carlskit.cluster._status import ServiceStatus, give_up_message
 
 logger = logging.getLogger("carlskit.cluster")
+#: Errors a service keeps (the last ones; ``error_count`` counts all), so a crash loop cannot fill memory.
 MAX_KEPT_ERRORS = 100
 
 

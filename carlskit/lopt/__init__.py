@@ -1,4 +1,4 @@
-"""Learned optimizers (Metz et al. 2022): per-parameter MLP optimizer, tasks, ES/PES meta-training.
+"""Learned optimizers (Metz et al. 2020): per-parameter MLP optimizer, tasks, ES/PES meta-training.
 
 The layout, one concept per module:
 
@@ -28,9 +28,10 @@ The layout, one concept per module:
   ``optax_train_curves``; the tuned baselines ``tuned_adam`` (Adam at its best of
   ``ADAM_LEARNING_RATES``), ``tuned_sgd_learning_rate`` and ``tuned_learning_rate`` (any optax optimizer);
   ``compare_to_tuned_adam`` (the per-problem table), ``final_loss``, ``geometric_mean_ratio``.
-* The meta-training cluster (Metz et al. 2022, App. H.1), the same core distributed: ES workers
+* The meta-training cluster (Metz et al. 2020, App. H.1), the same core distributed: ES workers
   (``worker_estimate``) -> ``GradientStore`` -> ``Learner`` (``learner_apply``), driven and
-  supervised by ``MetaTraining``; ``EvaluationChief`` with ``EvalTaskSet``,
+  supervised by ``MetaTraining`` (the learner and its store are one service, ``_learner_service``,
+  built from :mod:`carlskit.cluster`'s service kit like every other); ``EvaluationChief`` with ``EvalTaskSet``,
   ``default_eval_task_sets`` and ``evaluation_curves`` (which run ``inner_step``).
 
 Nothing here imports ipywidgets, matplotlib or pandas at load: widgets (``carlskit.widgets``)
@@ -64,12 +65,15 @@ from carlskit.lopt._learner import Learner
 from carlskit.lopt._meta_training import MetaTraining
 from carlskit.lopt._optimizer import (
     ADAM_LEARNING_RATES,
+    WIDE_ADAM_LEARNING_RATES,
     LearnableAdam,
     LearnedOptimizer,
+    compare_at_horizons,
     compare_to_tuned_adam,
     final_loss,
     geometric_mean_ratio,
     optax_train_curves,
+    summarize_comparison,
     tuned_adam,
     tuned_learning_rate,
     tuned_sgd_learning_rate,
@@ -90,17 +94,20 @@ from carlskit.lopt._tasks import (
     AutoencoderFamily,
     AutoencoderTask,
     ConvFamily,
+    DeepLinearTask,
     DigitsConvTask,
     DigitsMLPFamily,
     DigitsMLPTask,
     LinearRegressionFamily,
     LinearRegressionTask,
+    MatrixCompletionTask,
     MixtureFamily,
     MLPFamily,
     MLPTask,
     QuadraticFamily,
     QuadraticTask,
     dataset_arrays,
+    evaluation_problems,
     held_out_problems,
     meta_training_family,
 )
@@ -108,7 +115,9 @@ from carlskit.lopt._tasks import (
 __all__ = [
     "ADAM_LEARNING_RATES", "DATASETS", "AutoencoderFamily", "AutoencoderTask", "ConvFamily", "HierarchicalRule",
     "LinearRegressionFamily", "LinearRegressionTask", "MLPFamily", "MLPTask", "MixtureFamily",
-    "compare_to_tuned_adam", "dataset_arrays", "final_loss", "geometric_mean_ratio", "held_out_problems",
+    "WIDE_ADAM_LEARNING_RATES", "DeepLinearTask", "MatrixCompletionTask", "compare_at_horizons",
+    "evaluation_problems", "summarize_comparison", "compare_to_tuned_adam",
+    "dataset_arrays", "final_loss", "geometric_mean_ratio", "held_out_problems",
     "meta_training_family", "DigitsConvTask", "DigitsMLPFamily", "DigitsMLPTask", "Estimators", "EvalTaskSet",
     "EvaluationChief",
     "GradientStore", "InnerState", "LearnableAdam", "LearnableAdamRule", "LearnedOptimizer", "Learner",

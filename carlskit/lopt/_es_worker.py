@@ -1,4 +1,4 @@
-"""The ES worker loop of the meta-training cluster (Metz et al. 2022, Appendix H.1).
+"""The ES worker loop of the meta-training cluster (Metz et al. 2020, Appendix H.1).
 
 Each round: fetch ``(outer_step, meta_params)`` from the learner, take that step's task structure
 and keys from the worker's :class:`carlskit.lopt._outer.OuterStream`, estimate the outer gradient

@@ -2,7 +2,7 @@
 
 Both are vmapped over task instances and over the two members of each antithetic pair. The
 members of a pair share their task key, so they start from the same initialisation and see the same
-minibatches; only the meta-parameter perturbation ``+/- std * eps`` differs (Metz et al. 2022,
+minibatches; only the meta-parameter perturbation ``+/- std * eps`` differs (Metz et al. 2020,
 Sec. 3.2). With ``eps ~ N(0, I)``:
 
     full ES:  g = 1/N sum_i (L(theta + std eps_i) - L(theta - std eps_i)) / (2 std) * eps_i

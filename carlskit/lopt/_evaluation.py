@@ -1,4 +1,4 @@
-"""Continuous evaluation of meta-training checkpoints (Metz et al. 2022, Appendix H.1).
+"""Continuous evaluation of meta-training checkpoints (Metz et al. 2020, Appendix H.1).
 
 * :func:`evaluation_curves` (pure, jitted): inner training of task instances with any update rule,
   recording per inner step the *train* loss (the minibatch the step trains on), and the loss of the

@@ -1,4 +1,4 @@
-"""``GradientStore``: the distributed dictionary between ES workers and the learner (Metz et al. 2022,
+"""``GradientStore``: the distributed dictionary between ES workers and the learner (Metz et al. 2020,
 Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-process.
 
 A *gradient record* is a dict: ``id`` (unique str), ``grad`` (list of arrays, the flattened

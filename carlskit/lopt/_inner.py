@@ -3,7 +3,7 @@
 Randomness is carried by one ``task_key`` per task instance: the initial parameters come from
 ``fold_in(task_key, 0)`` and the minibatch of inner step ``t`` from ``fold_in(fold_in(task_key, 1), t)``.
 Two unrolls with the same ``task_key`` therefore start from the same point and see the same data
-(the shared randomness of antithetic pairs, Metz et al. 2022 Sec. 3.2).
+(the shared randomness of antithetic pairs, Metz et al. 2020 Sec. 3.2).
 """
 
 from __future__ import annotations

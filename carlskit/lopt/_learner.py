@@ -1,4 +1,4 @@
-"""``Learner``: applies averaged, fresh-enough ES gradients to the meta-parameters (Metz et al. 2022,
+"""``Learner``: applies averaged, fresh-enough ES gradients to the meta-parameters (Metz et al. 2020,
 Appendix H.1). A Dask actor in cluster mode, a plain (thread-safe) object in-process.
 
 One update (``update()``), the learner half of the outer core
@@ -21,6 +21,11 @@ checkpointed through :class:`carlskit.training.CheckpointStore` (version = outer
 one: a checkpoint that cannot be read (corrupt, or not fitting the rule) is recorded in
 ``skipped_checkpoints`` with its reason and the next older one is tried; when none can be read the
 learner refuses to start (the error of the newest), never silently starting over from scratch.
+
+Per task family (:mod:`carlskit.lopt._monitoring`, Metz et al. 2020 App. H.1) the learner keeps the
+loss over all records so far and in the latest update, and the outer-gradient variance; they are in
+``status()["families"]``, in the checkpoint metadata, and written as ``family/<task_family>/loss_all``,
+``.../loss_latest`` and ``.../grad_variance`` summaries at the steps that applied the family.
 
 Summaries (``learner/*``, step = outer step) are written once per step. A learner resumed from
 checkpoint ``c`` re-reaches steps ``c + 1 .. s`` that its predecessor had already logged before it
@@ -48,6 +53,7 @@ from carlskit._checks import integer, positive_float, positive_int
 from carlskit.checkpoints import CheckpointStore
 from carlskit.lopt._checks import check_meta_params
 from carlskit.lopt._gradient_store import call
+from carlskit.lopt._monitoring import family_summary, summary_label, update_family_stats
 from carlskit.lopt._outer import (
     REJECTION_REASONS,
     LearnerConfig,
@@ -143,7 +149,8 @@ class Learner:
         self.checkpoints = CheckpointStore(checkpoint_path, keep=keep_checkpoints)
         self.stats: dict[str, Any] = {"received": 0, "applied": 0, "dropped_stale": 0, "updates": 0,
                                       "rejected": dict.fromkeys(REJECTION_REASONS, 0),
-                                      "staleness_counts": [0] * STALENESS_BINS, "family_losses": {}}
+                                      "staleness_counts": [0] * STALENESS_BINS, "family_losses": {},
+                                      "families": {}}
         self.last_outer_loss = float("nan")
         self._last_checkpoint_time = time.time()
         #: ``{version: reason}`` of checkpoints newer than the one resumed from that could not be read.
@@ -229,6 +236,7 @@ class Learner:
             family["loss"] = loss if family["loss"] is None else (
                 FAMILY_LOSS_DECAY * family["loss"] + (1 - FAMILY_LOSS_DECAY) * loss)
             family["count"] += 1
+        self.stats["families"] = update_family_stats(self.stats["families"], fresh, state.outer_step)
         self.meta_params, self.outer_state, self.outer_step = state
         self.stats["applied"] += len(fresh)
         self.stats["updates"] += 1
@@ -286,6 +294,14 @@ class Learner:
         self._writer.scalar("learner/dropped_fraction", self.stats["dropped_stale"] / received, step)
         self._writer.scalar("learner/update_seconds", self.last_update_seconds, step)
         self._writer.array("learner/staleness", np.asarray(staleness, np.float64), step, bins=STALENESS_BINS)
+        # Per task family (Metz et al. 2020, App. H.1), for the families this update applied.
+        for row in family_summary(self.stats["families"]):
+            if row["latest_step"] != step:
+                continue
+            label = summary_label(row["task_family"])
+            for key in ("loss_latest", "loss_all", "grad_variance"):
+                if row[key] is not None:
+                    self._writer.scalar(f"family/{label}/{key}", row[key], step)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
@@ -298,6 +314,7 @@ class Learner:
                     "rejected": dict(self.stats["rejected"]),
                     "staleness_counts": list(self.stats["staleness_counts"]),
                     "family_losses": {k: dict(v) for k, v in self.stats["family_losses"].items()},
+                    "families": family_summary(self.stats["families"]),
                     "update_seconds": self.last_update_seconds,
                     "mean_update_seconds": self._update_seconds_total / max(self._timed_updates, 1),
                     "update_seconds_total": self._update_seconds_total, "timed_updates": self._timed_updates,

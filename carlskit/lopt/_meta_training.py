@@ -1,4 +1,4 @@
-"""``MetaTraining``: the learned-optimizer training cluster of Metz et al. (2022), Appendix H.1, on Dask.
+"""``MetaTraining``: the learned-optimizer training cluster of Metz et al. (2020), Appendix H.1, on Dask.
 
     ES workers ──put_many──▶ GradientStore ◀──take_many── Learner ──checkpoints──▶ CheckpointStore
         ▲                                                    │                         │
@@ -94,7 +94,7 @@ def service_placements(workers: list[str] | str | None, resources: Mapping[str, 
 
 class MetaTraining:
     """Meta-train ``lopt`` on ``task_family`` with ES workers, a gradient store, a learner and an
-    evaluation chief (Metz et al. 2022, App. H.1).
+    evaluation chief (Metz et al. 2020, App. H.1).
 
     Args:
       lopt: the :class:`LearnedOptimizer` to train (its meta-parameters are the start, else random).
@@ -372,7 +372,8 @@ class MetaTraining:
         report["services"] = services
         if self.chief is not None:
             report["evaluation"] = self.chief.status()
-        report["families"] = [{"task_family": name, **values}
+        monitored = {row["task_family"]: row for row in learner.get("families") or []}
+        report["families"] = [{**monitored.get(name, {}), "task_family": name, **values}
                               for name, values in (learner.get("family_losses") or {}).items()]
         return report
 

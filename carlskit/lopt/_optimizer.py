@@ -6,7 +6,9 @@ meta-parameters, and runs a single-process meta-training loop over the pure esti
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
+import math
 import os
 import pathlib
 import time
@@ -20,6 +22,8 @@ import optax
 
 from carlskit._checks import choice, integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
+from carlskit._history import History
+from carlskit._notebook import LoopDisplay
 from carlskit.lopt._checks import check_meta_params, check_real_floating, check_same_layout
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
@@ -62,7 +66,8 @@ class LearnedOptimizer:
         self.meta_params = meta_params
         self.train_horizon = train_horizon
         self.info = dict(info or {})
-        self.history: dict[str, list[float]] = {"step": [], "outer_loss": []}
+        #: ``meta_train``'s records, one per outer step: ``step``, ``outer_loss``, ``nan_fraction``
+        self.history = History()
 
     def __repr__(self) -> str:
         state = "untrained" if self.meta_params is None else f"{self.num_meta_params} meta-params"
@@ -202,7 +207,8 @@ class LearnedOptimizer:
         of ``truncation_length`` within episodes of ``horizon`` steps); ES unrolls ``horizon`` steps.
         Starts from ``meta_params``, else the held ones, else ``init(PRNGKey(seed))``. Shows a
         tqdm bar and, in a notebook (``live_plot=None``), a live outer-loss curve. Returns a new
-        ``LearnedOptimizer`` carrying the result and its ``history``.
+        ``LearnedOptimizer`` carrying the result and its ``history`` (a :class:`carlskit.History`:
+        one record per outer step, ``step`` counting from 1, ``outer_loss``, ``nan_fraction``).
 
         This is the meta-training cluster in one process: each outer step is the ES worker's
         :func:`~carlskit.lopt._outer.worker_estimate` then the learner's
@@ -227,9 +233,13 @@ class LearnedOptimizer:
             meta_params = self.init(init_key)
         config = LearnerConfig.of(self.rule, outer_optimizer_of(outer_optimizer, self.rule, meta_learning_rate))
         state, stream = config.init(self._resolve(meta_params)), OuterStream(family, key, seed)
-        display = MetaTrainDisplay(estimator, num_tasks, num_outer_steps, progress, live_plot, plot_every)
+        history = History()
+        display = LoopDisplay(history, num_outer_steps, f"meta-train ({estimator})", progress=progress,
+                              live=live_plot if live_plot is not None else (None if progress else False),
+                              curves=("outer_loss",), title=f"{estimator.upper()} meta-training, {num_tasks} tasks",
+                              postfix="outer_loss", plot_every=plot_every, plot_seconds=0.5)
         started = time.monotonic()
-        for outer_step in display.steps():
+        for outer_step in range(num_outer_steps):
             task, step_key, init_key = stream.next()
             record = worker_estimate(estimators, state.meta_params, task, step_key, state.outer_step,
                                      init_key=init_key)
@@ -238,65 +248,19 @@ class LearnedOptimizer:
             except FloatingPointError as error:
                 raise FloatingPointError(f"meta_train: {error} (outer step {outer_step}, "
                                          f"meta_learning_rate={meta_learning_rate})") from None
-            display.record(outer_step, record["outer_loss"], record["nan_fraction"])
+            history.append({"step": outer_step + 1, "outer_loss": record["outer_loss"],
+                            "nan_fraction": record["nan_fraction"]})
+            display.record(history[-1])
             if callback is not None:
                 callback(outer_step, {"outer_loss": record["outer_loss"], "nan_fraction": record["nan_fraction"]})
             if time_budget_s is not None and time.monotonic() - started > time_budget_s:
                 break
         display.close()
+        display.show_final_frames()
         trained = type(self).__new__(type(self))
         LearnedOptimizer.__init__(trained, self.rule, state.meta_params, horizon, self.info)
-        trained.history = display.history
+        trained.history = history
         return trained
-
-
-class MetaTrainDisplay:
-    """``meta_train``'s history, tqdm bar and (in a notebook, or with ``live_plot=True``) live
-    outer-loss curve; tqdm and the widgets are imported only here, when meta-training starts."""
-
-    def __init__(self, estimator: str, num_tasks: int, num_outer_steps: int, progress: bool,
-                 live_plot: bool | None, plot_every: int) -> None:
-        from carlskit._notebook import progress_bar
-
-        self.history: dict[str, list[float]] = {"step": [], "outer_loss": [], "nan_fraction": []}
-        self.num_outer_steps, self.plot_every = num_outer_steps, plot_every
-        self.bar, self._final_bar = progress_bar(num_outer_steps, f"meta-train ({estimator})", not progress)
-        self.live = None
-        if live_plot or (live_plot is None and progress):
-            from carlskit._notebook import in_notebook
-
-            if live_plot or in_notebook():
-                from IPython.display import display
-
-                from carlskit.widgets import LivePlot
-
-                self.live = LivePlot(f"{estimator.upper()} meta-training, {num_tasks} tasks", every_seconds=0.5)
-                display(self.live)
-
-    def steps(self):
-        for step in range(self.num_outer_steps):
-            yield step
-            self.bar.update(1)
-
-    def record(self, outer_step: int, outer_loss: float, nan_fraction: float) -> None:
-        self.history["step"].append(outer_step)
-        self.history["outer_loss"].append(outer_loss)
-        self.history["nan_fraction"].append(nan_fraction)
-        self.bar.set_postfix(outer_loss=f"{outer_loss:.4f}")
-        if outer_step % self.plot_every == 0 or outer_step == self.num_outer_steps - 1:
-            self._plot()
-
-    def _plot(self) -> None:
-        if self.live is not None:
-            self.live.update({"outer loss": (self.history["step"], self.history["outer_loss"])}, force=True)
-
-    def close(self) -> None:
-        """The last plot; the bar closed; the saved outputs show both as they ended (main thread)."""
-        self._plot()
-        self.bar.close()
-        self._final_bar()
-        if self.live is not None:
-            self.live.show_final_frame()
 
 
 def _is_prng_key(key: Any) -> bool:
@@ -321,6 +285,8 @@ class LearnableAdam(LearnedOptimizer):
 
 #: The learning rates tried when tuning the Adam baseline per problem (the best one is compared).
 ADAM_LEARNING_RATES = (3e-4, 1e-3, 3e-3, 1e-2, 3e-2)
+#: The evaluation protocol's grid (issue 30): 1e-4 .. 1e-1 in half decades, widened at an edge if needed.
+WIDE_ADAM_LEARNING_RATES = (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)
 
 
 def tuned_learning_rate(make_optimizer: Callable[[Any], optax.GradientTransformation], task: Task,
@@ -355,11 +321,18 @@ def _learning_rates(learning_rates: Sequence[float]) -> np.ndarray:
 def _grid_curves(make_optimizer: Callable[[Any], optax.GradientTransformation], task: Task, rates: np.ndarray,
                  keys: jax.Array, num_steps: int) -> np.ndarray:
     """Curves ``[lr, key, step]`` of ``make_optimizer(lr)`` for every rate and task key, one program."""
-    def curves_for(lr):
+    return np.asarray(_grid_program(make_optimizer, task, num_steps)(jnp.asarray(rates, jnp.float32), keys))
+
+
+@functools.lru_cache(maxsize=64)
+def _grid_program(make_optimizer: Callable[[Any], optax.GradientTransformation], task: Task, num_steps: int):
+    """The jitted grid program of one (optimizer, task, length), kept: a grid widened one rate at a
+    time, or rerun on other keys, compiles once per shape instead of once per call."""
+    def curves_for(lr, keys):
         rule = _OptaxRule(make_optimizer(lr))
         return jax.vmap(lambda k: train_task(rule, task, {}, k, num_steps))(keys)
 
-    return np.asarray(jax.jit(jax.vmap(curves_for))(jnp.asarray(rates, jnp.float32)))
+    return jax.jit(jax.vmap(curves_for, in_axes=(0, None)))
 
 
 def _best_rate(rates: np.ndarray, curves: np.ndarray) -> float:
@@ -393,12 +366,21 @@ def final_loss(curves: np.ndarray) -> float:
 def compare_to_tuned_adam(lopt: "LearnedOptimizer", problems: Mapping[str, Task], num_steps: int = 200,
                           num_instances: int = 8, seed: int = 0, tune_instances: int = 4, tune_seed: int = 1000,
                           learning_rates: Sequence[float] = ADAM_LEARNING_RATES,
-                          others: Mapping[str, "LearnedOptimizer"] | None = None) -> list[dict[str, Any]]:
+                          others: Mapping[str, "LearnedOptimizer"] | None = None, *,
+                          floor_fraction: float | None = None, widen: int = 0) -> list[dict[str, Any]]:
     """One row per problem: ``lopt``'s :func:`final_loss` after ``num_steps`` steps against Adam at
     the learning rate :func:`tuned_adam` picked on other instances (``tune_seed``), both on the same
     ``num_instances`` instances (``seed``): ``{"problem", "learned", "tuned_adam", "adam_learning_rate",
-    "ratio"}`` (``ratio`` = learned / tuned Adam; below 1 the learned optimizer wins), plus one
-    column per entry of ``others`` (e.g. the untrained optimizer), on the same instances."""
+    "ratio", "initial_loss", "rate_inside_grid"}`` (``ratio`` = learned / tuned Adam; below 1 the
+    learned optimizer wins), plus one column per entry of ``others`` (e.g. the untrained optimizer),
+    on the same instances.
+
+    ``floor_fraction``: both final losses are floored at ``floor_fraction * initial_loss`` (the mean
+    first-step loss) before the ratio, so two runs that solved the problem tie at 1.0 instead of
+    comparing round-off. ``widen``: while the best rate sits at an edge of the grid, add up to this
+    many rates beyond that edge (half-decade steps, x/÷ sqrt(10)); ``rate_inside_grid`` says whether
+    the best rate ended strictly inside the grid tried (a baseline tuned at its grid's edge is not tuned).
+    """
     others = {} if others is None else others
     for name, value in (("lopt", lopt), *((f"others[{k!r}]", v) for k, v in others.items())):
         if not isinstance(value, LearnedOptimizer):
@@ -413,20 +395,77 @@ def compare_to_tuned_adam(lopt: "LearnedOptimizer", problems: Mapping[str, Task]
                                  positive_int(tune_instances, "tune_instances"))
     eval_keys = jax.random.split(jax.random.PRNGKey(integer(seed, "seed", 0)),
                                  positive_int(num_instances, "num_instances"))
+    if floor_fraction is not None:
+        floor_fraction = positive_float(floor_fraction, "floor_fraction")
+    widen = integer(widen, "widen", 0)
+    keys = jnp.concatenate([tune_keys, eval_keys])
     rows = []
     for name, task in problems.items():
         # One program trains Adam at every rate on the tuning and the evaluation instances: the
         # rate is picked on the first (as tuned_adam does), its curves on the second are the baseline
         # (equal to optax_train_curves(optax.adam(lr), task, num_steps, num_instances, seed)).
-        curves = _grid_curves(optax.adam, task, rates, jnp.concatenate([tune_keys, eval_keys]), num_steps)
-        lr = _best_rate(rates, curves[:, :len(tune_keys)])
-        adam = final_loss(curves[int(np.flatnonzero(rates == lr)[0]), len(tune_keys):])
+        grid = np.sort(rates)
+        curves = _grid_curves(optax.adam, task, grid, keys, num_steps)
+        for _ in range(widen):
+            lr = _best_rate(grid, curves[:, :len(tune_keys)])
+            if grid.size > 1 and grid[0] < lr < grid[-1]:
+                break
+            extra = np.asarray([lr / math.sqrt(10.0) if lr == grid[0] else lr * math.sqrt(10.0)])
+            extra_curves = _grid_curves(optax.adam, task, extra, keys, num_steps)
+            grid, curves = np.concatenate([grid, extra]), np.concatenate([curves, extra_curves])
+            order = np.argsort(grid)
+            grid, curves = grid[order], curves[order]
+        lr = _best_rate(grid, curves[:, :len(tune_keys)])
+        adam_curves = curves[int(np.flatnonzero(grid == lr)[0]), len(tune_keys):]
+        initial = float(np.mean(adam_curves[:, 0]))  # every optimizer starts from the same instances
+        floor = 0.0 if floor_fraction is None else floor_fraction * initial
+        adam = final_loss(adam_curves)
         learned = final_loss(lopt.train_curves(task, num_steps, num_instances, seed))
+        low, high = max(learned, floor), max(adam, floor)
         rows.append({"problem": name, "learned": learned, "tuned_adam": adam, "adam_learning_rate": lr,
-                     "ratio": learned / adam if adam > 0 else float("nan"),
+                     "ratio": low / high if high > 0 else float("nan"), "initial_loss": initial,
+                     "rate_inside_grid": bool(grid.size > 2 and grid[0] < lr < grid[-1]),
                      **{key: final_loss(other.train_curves(task, num_steps, num_instances, seed))
                         for key, other in others.items()}})
     return rows
+
+
+def compare_at_horizons(lopt: "LearnedOptimizer", problems: Mapping[str, Task], horizon: int,
+                        multiples: Sequence[int] = (1, 5), *, num_instances: int = 8, seed: int = 0,
+                        learning_rates: Sequence[float] = WIDE_ADAM_LEARNING_RATES, widen: int = 3,
+                        floor_fraction: float = 1e-3) -> list[dict[str, Any]]:
+    """The evaluation protocol of issue 30: :func:`compare_to_tuned_adam` at ``horizon * m`` inner
+    steps for each ``m`` in ``multiples`` (default the meta-training horizon and 5x it), Adam tuned
+    over ``learning_rates`` (1e-4 .. 1e-1, widened while its best rate is at an edge), losses floored
+    at ``floor_fraction`` of the initial loss. The learned optimizer runs as ``train_curves`` does:
+    its time features stretched to the run's length. Rows carry ``horizon`` and ``multiple``;
+    :func:`summarize_comparison` makes the verdict."""
+    horizon = positive_int(horizon, "horizon")
+    multiples = [positive_int(m, f"multiples[{i}]") for i, m in enumerate(multiples)]
+    if not multiples:
+        raise ValueError("multiples must name at least one horizon multiple, got ()")
+    rows = []
+    for multiple in multiples:
+        for row in compare_to_tuned_adam(lopt, problems, horizon * multiple, num_instances, seed,
+                                         learning_rates=learning_rates, floor_fraction=floor_fraction, widen=widen):
+            rows.append({**row, "horizon": horizon * multiple, "multiple": multiple})
+    return rows
+
+
+def summarize_comparison(rows: Sequence[Mapping[str, Any]], *, worst_allowed: float = 1.25) -> dict[str, Any]:
+    """The verdict over ``rows`` (of :func:`compare_to_tuned_adam` / :func:`compare_at_horizons`):
+    ``cases``, ``at_or_below_adam`` (fraction with ratio <= 1), ``worse_than_allowed`` (count with
+    ratio > ``worst_allowed``), ``worst_ratio`` and ``worst_case``, ``geomean`` (of the ratios),
+    ``rates_inside_grid`` (fraction of cases whose Adam rate was strictly inside its grid)."""
+    if not rows:
+        raise ValueError("rows must hold at least one comparison row, got none")
+    ratios = np.asarray([row["ratio"] for row in rows], np.float64)
+    worst = int(np.nanargmax(np.where(np.isfinite(ratios), ratios, np.inf)))
+    name = rows[worst]["problem"] + (f" @{rows[worst]['horizon']}" if "horizon" in rows[worst] else "")
+    return {"cases": len(rows), "at_or_below_adam": float(np.mean(ratios <= 1.0)),
+            "worse_than_allowed": int(np.sum(~(ratios <= worst_allowed))), "worst_ratio": float(ratios[worst]),
+            "worst_case": name, "geomean": geometric_mean_ratio(rows),
+            "rates_inside_grid": float(np.mean([bool(row.get("rate_inside_grid", True)) for row in rows]))}
 
 
 def geometric_mean_ratio(rows: Sequence[Mapping[str, Any]]) -> float:

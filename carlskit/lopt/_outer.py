@@ -290,7 +290,7 @@ def all_finite(tree: PyTree) -> bool:
 # ----------------------------------------------------------------------------------- self-training
 def self_optimizer(rule: UpdateRule, *, warmup: optax.GradientTransformation | None = None, warmup_steps: int = 0,
                    time_scale: float = 1.0) -> optax.GradientTransformation:
-    """The learned optimizer as its own outer optimizer (Metz et al. 2022, "... and using them to
+    """The learned optimizer as its own outer optimizer (Metz et al. 2020, "... and using them to
     train themselves"): each outer step updates the meta-parameters ``theta`` with the rule they
     define, ``updates, s = rule.update(theta, s, g, theta, time_scale)``.
 

@@ -30,7 +30,7 @@ TIME_SCALES: tuple[float, ...] = (1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 30
 
 
 def tanh_time_features(step: jax.Array) -> jax.Array:
-    """Time embedding ``tanh(t / s - 1)`` for s in ``TIME_SCALES`` (Metz et al. 2022, App. C; MLPLOpt)."""
+    """Time embedding ``tanh(t / s - 1)`` for s in ``TIME_SCALES`` (Metz et al. 2020, App. C; MLPLOpt)."""
     step = jnp.asarray(step, jnp.float32)
     return jnp.tanh(step / jnp.asarray(TIME_SCALES, jnp.float32) - 1.0)
 
@@ -67,7 +67,7 @@ class MLPUpdateRule(UpdateRule):
     root mean square over the tensor. Time features ``tanh(t / s - 1)`` are shared by all parameters.
     The MLP (plus a linear skip path) outputs a direction ``d`` and a magnitude ``a``; the step is
 
-        p <- p - d * exp(exp_mult * a) * step_mult        (Metz et al. 2022, Sec. 3 / App. C)
+        p <- p - d * exp(exp_mult * a) * step_mult        (Metz et al. 2020, Sec. 3 / App. C)
 
     ``initial_learning_rate`` sets the skip weight from the normalised ``b=0.9`` momentum to the
     direction so that an untrained optimizer is per-tensor-normalised momentum SGD with that step
@@ -253,7 +253,7 @@ def _log_rms(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class HierarchicalRule(UpdateRule):
-    """A learned optimizer in two levels (after Metz et al. 2020/2022's hierarchical optimizers),
+    """A learned optimizer in two levels (after Metz et al. 2020, Sec. 3: hierarchical optimizers),
     cheap enough to replace Adam: a small MLP per *tensor* decides how every entry of it moves.
 
     Per entry (elementwise, a few FLOPs and one state buffer per decay, as Adam):

@@ -1,4 +1,4 @@
-"""The built-in inner problems for learned optimizers (Metz et al. 2022, Sec. 4): quadratics, digits
+"""The built-in inner problems for learned optimizers (Metz et al. 2020, Sec. 4): quadratics, digits
 MLPs and a digits convnet, their families, and ``as_task_family`` (one ``Task`` as a family). The
 ``Task`` and ``TaskFamily`` protocols they implement live in :mod:`carlskit.lopt._protocols`.
 
@@ -397,6 +397,84 @@ class LinearRegressionTask(Task):
         return 0.5 * jnp.mean(jnp.square(batch["x"] @ params["w"] + params["b"] - batch["y"]))
 
 
+@dataclasses.dataclass(frozen=True)
+class DeepLinearTask(Task):
+    """A deep linear network ``x W_1 ... W_depth`` (all ``width x width``) fitted to a random linear
+    map ``y = x A`` on fresh Gaussian minibatches, ``1/2`` mean squared error. The product of
+    matrices makes the landscape non-convex with saddle points and badly scaled directions (Saxe et
+    al. 2014), which a step size tuned for one layer does not fit."""
+
+    width: int = 16
+    depth: int = 4
+    batch_size: int = 32
+
+    def __post_init__(self) -> None:
+        for name in ("width", "depth", "batch_size"):
+            object.__setattr__(self, name, positive_int(getattr(self, name), name))
+
+    def sample_task_params(self, key: jax.Array) -> PyTree:
+        return {"target": jax.random.normal(key, (self.width, self.width)) / math.sqrt(self.width)}
+
+    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        keys = jax.random.split(key, self.depth)
+        return [jax.random.normal(k, (self.width, self.width), jnp.float32) / math.sqrt(self.width) for k in keys]
+
+    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        x = jax.random.normal(key, (self.batch_size, self.width))
+        return {"x": x, "y": x @ task_params["target"]}
+
+    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
+        x = batch["x"]
+        for weight in params:
+            x = x @ weight
+        return 0.5 * jnp.mean(jnp.square(x - batch["y"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class MatrixCompletionTask(Task):
+    """Low-rank matrix completion: factors ``U [rows, rank]``, ``V [cols, rank]`` fitted to minibatches
+    of ``batch_size`` entries drawn from the ``observed`` fraction of a random rank-``rank`` matrix
+    ``M = A B^T`` (unit-variance entries), ``1/2`` mean squared error on the drawn entries."""
+
+    rows: int = 32
+    cols: int = 32
+    rank: int = 3
+    observed: float = 0.3
+    batch_size: int = 64
+
+    def __post_init__(self) -> None:
+        for name in ("rows", "cols", "rank", "batch_size"):
+            object.__setattr__(self, name, positive_int(getattr(self, name), name))
+        observed = finite_float(self.observed, "observed", minimum=0.0)
+        if not 0.0 < observed <= 1.0:
+            raise ValueError(f"observed must be a fraction in (0, 1], got {self.observed!r}")
+        object.__setattr__(self, "observed", observed)
+
+    def sample_task_params(self, key: jax.Array) -> PyTree:
+        a_key, b_key, mask_key = jax.random.split(key, 3)
+        a = jax.random.normal(a_key, (self.rows, self.rank))
+        b = jax.random.normal(b_key, (self.cols, self.rank))
+        # The observed entries: a fixed set per instance, as ``observed * rows * cols`` flat indexes.
+        count = max(1, int(round(self.observed * self.rows * self.cols)))
+        index = jax.random.permutation(mask_key, self.rows * self.cols)[:count]
+        return {"matrix": a @ b.T / math.sqrt(self.rank), "index": index}
+
+    def init(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        u_key, v_key = jax.random.split(key)
+        scale = 1.0 / math.sqrt(self.rank)
+        return {"u": jax.random.normal(u_key, (self.rows, self.rank)) * scale,
+                "v": jax.random.normal(v_key, (self.cols, self.rank)) * scale}
+
+    def batch(self, key: jax.Array, task_params: PyTree) -> PyTree:
+        pick = jax.random.randint(key, (self.batch_size,), 0, task_params["index"].shape[0])
+        flat = task_params["index"][pick]
+        return {"row": flat // self.cols, "col": flat % self.cols}
+
+    def loss(self, params: PyTree, batch: PyTree, task_params: PyTree) -> jax.Array:
+        predicted = jnp.sum(params["u"][batch["row"]] * params["v"][batch["col"]], axis=-1)
+        return 0.5 * jnp.mean(jnp.square(predicted - task_params["matrix"][batch["row"], batch["col"]]))
+
+
 # --------------------------------------------------------------------------- families of them
 def _names(values: Any, name: str, check: Any) -> tuple:
     if isinstance(values, str) or not isinstance(values, (tuple, list)) or not values:
@@ -547,4 +625,19 @@ def held_out_problems() -> dict[str, Task]:
         "breast-cancer autoencoder 16-4-16 relu": AutoencoderTask("breast_cancer", (16, 4, 16), "relu", 32),
         "digits convnet 8-16": DigitsConvTask((8, 16), 64),
         "least squares dim 64, condition 1000": LinearRegressionTask(64, 1000.0, 32),
+    }
+
+
+def evaluation_problems() -> dict[str, Task]:
+    """The evaluation protocol's held-out set (issue 30, fixed before any further meta-training):
+    :func:`held_out_problems` and five problems of kinds :func:`meta_training_family` never samples:
+    a deep linear network, a low-rank matrix completion, a wine autoencoder, a small wine classifier
+    (width 8, elu, batch 16) and a linear least-squares fit of the diabetes data."""
+    return {
+        **held_out_problems(),
+        "deep linear net 16x4": DeepLinearTask(16, 4, 32),
+        "matrix completion 32x32 rank 3": MatrixCompletionTask(32, 32, 3, 0.3, 64),
+        "wine autoencoder 8-3-8 elu": AutoencoderTask("wine", (8, 3, 8), "elu", 32),
+        "wine MLP 8 elu, batch 16": MLPTask("wine", (8,), "elu", 16),
+        "diabetes least squares (linear)": MLPTask("diabetes", (), "relu", 32),
     }

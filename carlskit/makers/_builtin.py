@@ -12,7 +12,6 @@ from flax import nnx
 
 from carlskit._checks import finite_float, instance, positive_int
 from carlskit.makers._maker import MakerContext
-from carlskit.training._knowledge import table_config
 
 
 def _item_features(features: Any) -> tuple[np.ndarray | dict[str, np.ndarray], int]:
@@ -43,7 +42,8 @@ class EmbeddingMaker:
     level function or ``functools.partial``); ``encode(model, features) -> {table: [n, dim]}``
     (or one array, written to ``table``). ``features`` is one array [n, ...] or, for several
     inputs per item (e.g. two modalities), a dict of them, each [n, ...]; ``encode`` then receives
-    the dict of each batch's rows. Items are encoded in batches of ``batch_size``.
+    the dict of each batch's rows. Items are encoded in batches of ``batch_size``; each batch is
+    one chunk of the maker's CPU budget (``Maker(..., max_cpu_fraction=f)`` sleeps after it).
     """
 
     def __init__(self, model_factory: Callable[[], nnx.Module], encode: Callable,
@@ -103,6 +103,7 @@ class EmbeddingMaker:
                 encoded = {self.table: encoded}
             for name, values in encoded.items():
                 outputs.setdefault(name, []).append(np.asarray(values))
+            context.pace()  # a batch is one chunk of the maker's CPU budget (Maker's max_cpu_fraction)
         return {name: np.concatenate(parts) for name, parts in outputs.items()}
 
 
@@ -219,7 +220,7 @@ class NeighborMaker:
 
     def __call__(self, context: MakerContext) -> bool:
         bank: Any = context.bank
-        width = table_config(bank, self.records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
+        width = bank.table_config(self.records_table, "feature", ("ids", "weights")).fields["ids"][1]
         if self.k > width:  # checked before reading anything, not a broadcasting error after nearest()
             raise ValueError(f"NeighborMaker k={self.k} exceeds the {self.records_table!r} record width {width}")
         embeddings, found = bank.lookup(self.table, context.items)

@@ -19,11 +19,22 @@ Failures (CARLS runs makers for hours beside a trainer, on workers that get pree
 - A damaged checkpoint (:class:`carlskit.CorruptFileError`) is skipped and its reason recorded in
   ``status()``; the slice takes the newest intact version and reads the damaged one no more. It is
   not a failure: it neither restarts the slice nor spends its budget.
+
+CPU budget (``max_cpu_fraction``): CARLS runs makers *beside* a trainer, often on the same cores. A
+maker that refreshes a large table is always busy (a round of 1M nodes outlasts many checkpoints)
+and would take those cores from the trainer's step. Each slice therefore works at most
+``max_cpu_fraction`` of wall time: after every chunk of work (a batch of an :class:`EmbeddingMaker`,
+or a whole round of a maker function that does not call :meth:`MakerContext.pace`) it sleeps
+``busy * (1 - f) / f``, so the duty cycle holds whatever the chunk size. A round still completes,
+only more slowly (its rate is ``f`` times the unpaced one). Busy time is wall time spent between
+pacing points; with one XLA thread per worker (``carlskit.cluster.connect``'s default
+``threads_per_worker=1``) that is one core's CPU time.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -54,6 +65,39 @@ KEPT_EVENTS = 1000  # recent events a maker keeps for events(); status() keeps o
 KEPT_SKIPS = 20  # damaged versions remembered per slice in status()
 
 
+class Pacer:
+    """Keep one slice's busy fraction of wall time at most ``max_cpu_fraction`` (see the module doc).
+
+    ``pace()`` ends a chunk of work: it sleeps ``busy * (1 - f) / f`` where ``busy`` is the time
+    since the previous ``pace()`` (or :meth:`resume`), then starts the next chunk's clock. With
+    ``f = 1`` it never sleeps. ``busy_seconds`` and ``slept_seconds`` add up what it measured.
+    """
+
+    def __init__(self, max_cpu_fraction: float = 1.0, stop: Any = None):
+        fraction = positive_float(max_cpu_fraction, "max_cpu_fraction")
+        if fraction > 1.0:
+            raise ValueError(f"max_cpu_fraction must be in (0, 1], got {max_cpu_fraction}")
+        self.max_cpu_fraction = fraction
+        self._stop = stop
+        self.busy_seconds = 0.0
+        self.slept_seconds = 0.0
+        self._since = time.perf_counter()
+
+    def resume(self) -> None:
+        """Start a chunk's clock (after an idle wait that is not the maker's work)."""
+        self._since = time.perf_counter()
+
+    def pace(self) -> None:
+        """End a chunk of work: sleep so that busy / (busy + slept) stays <= ``max_cpu_fraction``."""
+        busy = time.perf_counter() - self._since
+        self.busy_seconds += busy
+        pause = busy * (1.0 - self.max_cpu_fraction) / self.max_cpu_fraction
+        if pause > 0 and not (self._stop is not None and self._stop.is_set()):
+            time.sleep(pause)
+            self.slept_seconds += pause
+        self.resume()
+
+
 @dataclass
 class MakerContext:
     """What a maker function receives for one round: the checkpoint, its items, the bank."""
@@ -64,6 +108,12 @@ class MakerContext:
     metadata: dict
     bank: Any
     slice_index: int
+    pacer: Pacer = dataclasses.field(default_factory=Pacer)
+
+    def pace(self) -> None:
+        """Call between chunks of a round's work: sleeps to keep the slice within the maker's
+        ``max_cpu_fraction`` (a no-op for an unpaced maker)."""
+        self.pacer.pace()
 
     def restore_model(self, model, prefix: str = "model") -> None:
         """Load the checkpoint's ``prefix`` subtree (the trainer's model state) into ``model``."""
@@ -93,11 +143,14 @@ def _worker_address() -> str:
 
 
 def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path: str, bank: Any,
-                    stop: Any, topic: str, poll_seconds: float, max_rounds: int | None, launch: int = 0) -> int:
+                    stop: Any, topic: str, poll_seconds: float, max_rounds: int | None, launch: int = 0,
+                    max_cpu_fraction: float = 1.0) -> int:
     """The loop one slice runs (on a worker or a thread) until ``stop`` is set; returns rounds run.
 
-    ``launch`` numbers the supervisor's launches of this slice: a second ``started`` event with the
-    same number is Dask rerunning the task after its worker was lost.
+    The slice's work is paced to ``max_cpu_fraction`` of wall time (a :class:`Pacer`: the maker
+    function's own ``context.pace()`` calls, and one at the end of every round). ``launch``
+    numbers the supervisor's launches of this slice: a second ``started`` event with the same
+    number is Dask rerunning the task after its worker was lost.
     """
     secede_if_on_worker()  # runs for as long as training does; in thread mode there is no slot to free
     _report(topic, {"slice": slice_index, "event": "started", "launch": launch, "worker": _worker_address()})
@@ -107,21 +160,26 @@ def run_maker_slice(fn: MakerFn, items: np.ndarray, slice_index: int, store_path
         logger.warning("maker slice %d skips checkpoint version %d: %s", slice_index, version, reason)
         _report(topic, {"slice": slice_index, "event": "skipped", "version": version, "reason": reason})
 
+    pacer = Pacer(max_cpu_fraction, stop)
     current, rounds = None, 0
     while not stop.is_set() and (max_rounds is None or rounds < max_rounds):
         start = time.perf_counter()
+        pacer.resume()
         loaded = store.load_latest(newer_than=current, on_skip=skipped)
         if loaded is None:
             time.sleep(poll_seconds)
             continue
         version, checkpoint, metadata = loaded
-        if fn(MakerContext(items, version, checkpoint, metadata, bank, slice_index)) is False:
+        busy, slept = pacer.busy_seconds, pacer.slept_seconds
+        if fn(MakerContext(items, version, checkpoint, metadata, bank, slice_index, pacer)) is False:
             time.sleep(poll_seconds)  # its inputs are not in the bank yet: retry this version
             continue
+        pacer.pace()  # the round's last chunk (all of it, for a function that never calls pace())
         seconds = time.perf_counter() - start
         current, rounds = version, rounds + 1
         _report(topic, {"slice": slice_index, "event": "round", "version": version, "items": len(items),
-                        "seconds": seconds, "round": rounds})
+                        "seconds": seconds, "round": rounds, "busy_seconds": pacer.busy_seconds - busy,
+                        "slept_seconds": pacer.slept_seconds - slept})
     return rounds
 
 
@@ -166,12 +224,15 @@ class Maker:
       restart_policy: how a failing slice is relaunched: a :class:`carlskit.cluster.RestartPolicy`,
         a budget in seconds (keep relaunching for that long after failures began, with exponential
         backoff), or ``None`` for the default policy (10 minutes).
+      max_cpu_fraction: in (0, 1]: the share of wall time each slice may compute; it sleeps
+        between chunks to hold it (see the module doc), so a trainer sharing its cores keeps its
+        step time. ``1`` (the default) never sleeps. A round takes about ``1 / f`` times longer.
     """
 
     def __init__(self, fn: MakerFn, items: np.ndarray, *, num_slices: int = 1, name: str | None = None,
                  poll_seconds: float = 0.2, workers: list[str] | str | None = None,
                  resources: dict[str, float] | None = None,
-                 restart_policy: RestartPolicy | float | None = None):
+                 restart_policy: RestartPolicy | float | None = None, max_cpu_fraction: float = 1.0):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         items = np.asarray(items)
@@ -188,6 +249,7 @@ class Maker:
         self.poll_seconds = positive_float(poll_seconds, "poll_seconds")
         self.placement = Placement.of(workers, resources)
         self.restart_policy = as_restart_policy(restart_policy, "restart_policy")
+        self.max_cpu_fraction = Pacer(max_cpu_fraction).max_cpu_fraction  # checked here, before any slice runs
         self._topic = f"carlskit-maker-{self.name}-{uuid.uuid4().hex[:8]}"
         self._client = None
         self._store: CheckpointStore | None = None
@@ -262,7 +324,7 @@ class Maker:
                 launch = self._launches[index]
                 self._launches[index] += 1
             return (self.fn, self.slices[index], index, self._store.path, self._bank, self._stop,
-                    self._topic, self.poll_seconds, None, launch)
+                    self._topic, self.poll_seconds, None, launch, self.max_cpu_fraction)
 
         return make_args
 
@@ -357,6 +419,9 @@ class Maker:
                     # checkpoints published since, that it can still use (not those it found damaged)
                     "lag": sum((version is None or v > version) and v not in state.skipped for v in published),
                     "items_per_s": None if message is None else message["items"] / max(message["seconds"], 1e-9),
+                    # the last round's share of wall time spent computing (<= max_cpu_fraction)
+                    "busy_fraction": None if message is None else
+                    message.get("busy_seconds", 0.0) / max(message["seconds"], 1e-9),
                     "rounds": 0 if message is None else message["round"],
                     "restarts": max(self._launches[index] - 1, 0) + state.reruns,
                     "worker": state.worker,

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from carlskit._checks import boolean, choice, finite_float, instance, integer, positive_float, positive_int
-from carlskit._step import make_train_step
+from carlskit._history import History
 from carlskit.moe._dispatch import DISPATCH_MODES
 from carlskit.moe._gating import SECOND_EXPERT_POLICIES, experts_per_token
 from carlskit.moe._layers import BATCH_AXES, FeedForward, MoEFeedForward, TransformerBlock, _dtype, _scaled_normal
@@ -253,43 +253,59 @@ class MoEModel(nnx.Module):
         eval_tokens: Any | None = None,
         eval_every: int = 0,
         callback: Callable[[int, dict], None] | None = None,
-    ) -> dict[str, list]:
+    ) -> History:
         """Train on rows of ``tokens`` [N, L] (random batches of ``batch_size``) with optax
         (default Adam with ``learning_rate``); parameters are updated in place.
 
-        Returns the history: per step ``loss``, ``cross_entropy``, ``aux_loss``, drop fractions,
-        ``expert_load``, ``seconds`` (training wall time since the start, evaluations excluded);
+        Returns the history (:class:`carlskit.History`): one record per step with ``step`` (1 for
+        the first), ``loss``, ``cross_entropy``, ``aux_loss``, drop fractions, ``expert_load``
+        ([MoE layers, E]), ``seconds`` (training wall time since the start, evaluations excluded);
         ``eval_loss`` (validation cross-entropy, nats) every ``eval_every`` steps (if ``eval_tokens``).
+        ``callback(step, record)`` is called after each step (``step`` counting from 0).
+
+        The loop is a :class:`carlskit.training.Trainer`'s, with the same step, and three
+        differences the model needs: no finiteness check (fit trains on, as optax does, and the
+        check is one more reduction per step), ``expert_load`` kept as an array metric, and the
+        parameters' placement on the model's mesh kept (the Trainer would replicate them).
         """
+        from carlskit.training import Trainer  # training imports the bank and Dask: only when fitting
+
         # Every argument is checked before the first step, so a bad one never leaves a half-trained model.
         data, evaluate = self._check_fit(tokens, steps, batch_size, learning_rate, optimizer, eval_tokens, eval_every)
-        batch_size = int(batch_size)
-        tx = optimizer or optax.adam(learning_rate)
-        # The step is the Trainer's (carlskit/_step.py), without its finiteness check
-        # (fit has always trained on, as optax does, and an extra reduction per step would cost time).
-        graphdef, state = nnx.split((self, nnx.Optimizer(self, tx, wrt=nnx.Param)))
-        train_step = jax.jit(make_train_step(graphdef, _tokens_loss, check_finite=False))
-        sample_rng = np.random.default_rng(seed)
+        batch_size, steps = int(batch_size), int(steps)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable as callback(step, record), got {type(callback).__name__}")
+        if steps == 0:
+            return History()
+        # The rows of every step, drawn up front as the loop used to draw them one step at a time:
+        # a batch is then a function of its step, whatever the Trainer's pipeline prefetches.
+        rows = np.random.default_rng(seed).integers(0, len(data), (steps, batch_size))
         routing_key = jax.random.key(seed)
-        history: dict[str, list] = {"step": [], "seconds": []}
-        started = time.perf_counter()
-        for step in range(steps):
-            batch = self.shard_batch(data[sample_rng.integers(0, len(data), batch_size)])
-            state, _, metrics, _ = train_step(state, {"tokens": batch, "rng": jax.random.fold_in(routing_key, step)})
-            record = {k: np.asarray(v) for k, v in metrics.items()}
-            if evaluate and ((step + 1) % eval_every == 0 or step + 1 == steps):
+
+        def batch_at(step: int) -> dict:
+            return {"tokens": self.shard_batch(data[rows[step]]), "rng": jax.random.fold_in(routing_key, step)}
+
+        trainer = Trainer(self, optimizer or optax.adam(learning_rate), _tokens_loss, check_finite=False,
+                          array_metrics=True)
+        started = [time.perf_counter()]  # moved forward by each evaluation: "seconds" counts training only
+        chunk = eval_every if evaluate else steps
+
+        def on_record(record: dict) -> None:
+            record["seconds"] = time.perf_counter() - started[0]
+            evaluated_next = evaluate and (record["step"] % chunk == 0 or record["step"] == steps)
+            if callback is not None and not evaluated_next:  # an evaluated step's callback sees eval_loss
+                callback(record["step"] - 1, record)
+
+        while trainer.step < steps:
+            trainer.fit(batch_at, min(chunk, steps - trainer.step), progress=False, live=False, callback=on_record)
+            if evaluate:
                 evaluation_started = time.perf_counter()
-                nnx.update(self, state[0])
+                record = trainer.history[-1]
                 record["eval_loss"] = self.evaluate(eval_tokens, batch_size=batch_size)["cross_entropy"]
-                started += time.perf_counter() - evaluation_started  # "seconds" counts training only
-            history["step"].append(step)
-            history["seconds"].append(time.perf_counter() - started)
-            for key, value in record.items():
-                history.setdefault(key, []).append(float(value) if np.ndim(value) == 0 else value)
-            if callback is not None:
-                callback(step, record)
-        nnx.update(self, state[0])
-        return history
+                started[0] += time.perf_counter() - evaluation_started
+                if callback is not None:
+                    callback(record["step"] - 1, record)
+        return trainer.history
 
     def _check_fit(self, tokens: Any, steps: Any, batch_size: Any, learning_rate: Any, optimizer: Any,
                    eval_tokens: Any, eval_every: Any) -> tuple[np.ndarray, bool]:

@@ -76,15 +76,14 @@ def text_lm_comparison(
                 learning_rate=config["learning_rate"], seed=seed, eval_tokens=validation,
                 eval_every=config["eval_every"],
             )
-            evaluated = [i for i, step in enumerate(history["step"])
-                         if (step + 1) % config["eval_every"] == 0 or step + 1 == config["steps"]]
+            evaluated = [record for record in history if "eval_loss" in record]
             run = {
                 "num_experts": int(experts),
                 "seed": int(seed),
                 "parameters": int(sum(np.size(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
-                "steps": [history["step"][i] + 1 for i in evaluated],
-                "seconds": [history["seconds"][i] for i in evaluated],
-                "validation_bpb": [loss / math.log(2.0) for loss in history["eval_loss"]],
+                "steps": [record["step"] for record in evaluated],
+                "seconds": [record["seconds"] for record in evaluated],
+                "validation_bpb": [record["eval_loss"] / math.log(2.0) for record in evaluated],
                 "history": history,
             }
             runs.append(run)

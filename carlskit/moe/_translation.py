@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from carlskit._checks import choice, finite_float, integer, positive_float, positive_int
-from carlskit._step import make_train_step
+from carlskit._history import History
 from carlskit.moe._layers import BATCH_AXES, MoEFeedForward, _scaled_normal
 from carlskit.moe._model import _checked_mesh, _moe_options, feed_forward_for_layer, place_parameters
 from carlskit.moe._sharding import split
@@ -331,15 +331,19 @@ class TranslationModel(nnx.Module):
         learning_rate: float | None = None,
         seed: int = 0,
         callback: Callable[[int, dict], None] | None = None,
-    ) -> dict[str, list]:
+    ) -> History:
         """Train on rows ``source`` [N, Ls] / ``target`` [N, Lt] (from :meth:`encode_sources` /
         :meth:`encode_targets`), random batches of ``batch_size``; parameters updated in place.
 
         ``optimizer``: ``"adafactor"`` (``optax.adafactor``, factored second moments, no momentum,
         updates scaled by the parameters' RMS; default learning rate 1e-2), ``"adam"`` (default 1e-3)
-        or any optax transformation. Returns the history: per step ``loss``, ``cross_entropy``,
-        ``aux_loss``, ``seconds`` (wall time since the start); ``callback(step, record)`` per step.
+        or any optax transformation. Returns the history (:class:`carlskit.History`): one record per
+        step with ``step`` (1 for the first), ``loss``, ``cross_entropy``, ``aux_loss``, ``seconds``
+        (wall time since the start); ``callback(step, record)`` per step (``step`` from 0). The loop
+        is a :class:`carlskit.training.Trainer`'s without its finiteness check, as ``MoEModel.fit``.
         """
+        from carlskit.training import Trainer  # training imports the bank and Dask: only when fitting
+
         source, target = np.asarray(source), np.asarray(target)
         if source.ndim != 2 or source.shape[1] != self.max_source_length or not np.issubdtype(source.dtype,
                                                                                                np.integer):
@@ -351,31 +355,31 @@ class TranslationModel(nnx.Module):
         for name, rows in (("source", source), ("target", target)):
             if rows.size and (rows.min() < 0 or rows.max() >= self.vocab_size):
                 raise ValueError(f"{name} holds ids outside [0, vocab_size={self.vocab_size})")
-        integer(steps, "steps", minimum=0)
+        steps = integer(steps, "steps", minimum=0)
         batch_size = positive_int(batch_size, "batch_size")
         if len(source) < batch_size:
             raise ValueError(f"source must hold at least batch_size={batch_size} rows, got {len(source)}")
         tx = _optimizer(optimizer, learning_rate)
-        graphdef, state = nnx.split((self, nnx.Optimizer(self, tx, wrt=nnx.Param)))
-        train_step = jax.jit(make_train_step(graphdef, _pairs_loss, check_finite=False))
-        sampler = np.random.default_rng(seed)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable as callback(step, record), got {type(callback).__name__}")
+        if not steps:
+            return History()
+        rows = np.random.default_rng(seed).integers(0, len(source), (steps, batch_size))  # as drawn step by step
         key = jax.random.key(seed)
-        history: dict[str, list] = {"step": [], "seconds": []}
+
+        def batch_at(step: int) -> dict:
+            return {"source": self.shard_batch(source[rows[step]]), "target": self.shard_batch(target[rows[step]]),
+                    "rng": jax.random.fold_in(key, step)}
+
         started = time.perf_counter()
-        for step in range(steps):
-            rows = sampler.integers(0, len(source), batch_size)
-            batch = {"source": self.shard_batch(source[rows]), "target": self.shard_batch(target[rows]),
-                     "rng": jax.random.fold_in(key, step)}
-            state, _, metrics, _ = train_step(state, batch)
-            record = {k: float(v) for k, v in metrics.items()}
-            history["step"].append(step)
-            history["seconds"].append(time.perf_counter() - started)
-            for k, v in record.items():
-                history.setdefault(k, []).append(v)
+
+        def on_record(record: dict) -> None:
+            record["seconds"] = time.perf_counter() - started
             if callback is not None:
-                callback(step, record)
-        nnx.update(self, state[0])
-        return history
+                callback(record["step"] - 1, record)
+
+        trainer = Trainer(self, tx, _pairs_loss, check_finite=False)
+        return trainer.fit(batch_at, steps, progress=False, live=False, callback=on_record)
 
     # ----------------------------------------------------------------------------- decoding
     def translate(self, texts: Sequence[str], lang: str | Sequence[str], *, beam_size: int = 1,

@@ -137,6 +137,11 @@ def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
                             help=f"nodes per walk (default: {config['walk_length']})")
         parser.add_argument("--steps", type=_count(1), default=None,
                             help="steps per trainer (default: --epochs passes over its pairs)")
+        parser.add_argument("--dim", type=_count(1), default=None,
+                            help=f"embedding width of both tables (default: {config['dim']})")
+        parser.add_argument("--initial-accumulator-value", type=float, default=None,
+                            help=f"the tables' Adagrad accumulator at a new row (default: "
+                                 f"{config['initial_accumulator_value']})")
     elif paradigm == "gnn":
         config = config_defaults(paradigm, "GNNConfig")
         _data_option(parser, digits=False)
@@ -171,7 +176,7 @@ def parse_arguments(paradigm: str, argv: Sequence[str] | None = None) -> argpars
     parser = paradigm_parser(paradigm)
     args = parser.parse_args(argv)
     if hasattr(args, "data") and not (paradigm == "graph_reg" and args.data == "digits"):  # gam, gnn need a graph
-        from carlskit.data._datasets import DatasetNotFoundError, resolve_planetoid  # numpy, not JAX
+        from carlskit.data import DatasetNotFoundError, resolve_planetoid  # numpy, not JAX
 
         try:
             args.data = str(resolve_planetoid(args.data))

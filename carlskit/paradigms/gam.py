@@ -50,6 +50,8 @@ import numpy as np
 import optax
 from flax import nnx
 
+from carlskit._history import History
+from carlskit._notebook import LoopDisplay
 from carlskit.bank import KnowledgeBank
 from carlskit.data import Dataset, neighbors_from_edges
 from carlskit.makers import AgreementMaker, EmbeddingMaker, LabelMaker, Maker
@@ -227,11 +229,14 @@ def _co_train(data, config, bank, client, slices, workdir, seed, progress, live)
     classifier.save_checkpoint()
     run.update(working_labels=np.maximum(data.labels, 0).copy(), labelled=data.train_idx.copy(), best=None)
     rounds = []
-    refresh = _live_view(classifier, agreement, rounds) if live else (lambda force=False: None)
+    display = _live_view(classifier, agreement, rounds) if live else None
+    refresh = display.refresh if live else (lambda force=False: None)
     with makers_running(list(makers.values()), bank, client):
         for round_index in range(config.rounds):
             rounds.append(_co_training_round(run, round_index, data, config, features, seed, progress, refresh))
             refresh(force=True)
+    if display is not None:
+        display.show_final_frames()  # the saved output shows the last frame (main thread)
     items = run["items"]
     versions = bank.row_metadata("nbrs", items)["version"]
     edges, _ = bank.lookup("nbrs", items)
@@ -314,28 +319,15 @@ def _co_training_round(run, round_index, data, config, features, seed, progress,
             "best_val_acc": selected["val_acc"], "best_step": selected["step"]}
 
 
-def _live_view(classifier: Trainer, agreement: Trainer, rounds: list[dict]):
-    """Display one LivePlot of both trainers' losses and the per-round validation accuracy;
-    returns ``refresh(force=False)``, cheap to call every step (it renders at most once a second)."""
-    from IPython.display import display
-
-    from carlskit.widgets import LivePlot
-
-    plot = LivePlot("GAM co-training", width_inches=10.0)
-    display(plot)
-
-    def curve(records: list[dict], x: str, y: str) -> tuple[np.ndarray, np.ndarray]:
-        records = list(records)  # a snapshot: the training thread appends while we draw
-        return np.array([r[x] for r in records]), np.array([r[y] for r in records])
-
-    def refresh(force: bool = False) -> None:
-        plot.update({"classifier loss": curve(classifier.history, "step", "loss"),
-                     "agreement loss": curve(agreement.history, "step", "loss"),
-                     "validation accuracy (per round)": curve(rounds, "step", "val_acc")}, force=force)
-        if force:  # the last refresh: the saved output shows this frame (main thread only)
-            plot.show_final_frame()
-
-    return refresh
+def _live_view(classifier: Trainer, agreement: Trainer, rounds: list[dict]) -> LoopDisplay:
+    """Display one live plot of both trainers' losses and the per-round validation accuracy (the
+    loops' :class:`~carlskit._notebook.LoopDisplay`, without a bar: each trainer shows its own);
+    its ``refresh(force=False)`` is cheap to call every step (it renders at most once a second)."""
+    return LoopDisplay(classifier.history, len(rounds), "GAM", progress=False, live=True, title="GAM co-training",
+                       width_inches=10.0, curves=lambda: {
+                           "classifier loss": classifier.history.series("loss"),
+                           "agreement loss": agreement.history.series("loss"),
+                           "validation accuracy (per round)": History(rounds).series("val_acc")})
 
 
 def _observed(source, refresh, step: int) -> dict:

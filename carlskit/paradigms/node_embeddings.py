@@ -17,12 +17,14 @@ paper's DeepWalk row (Yang et al. 2016, table 2: Cora 67.2, Citeseer 43.2).
 
 Several trainers (``--trainers N`` with ``--workers >= N``): each trains on the walks that start at
 its share of the nodes, on its own Dask worker, and all share the two tables in the bank, whose
-lazy averaged update combines their gradients.
+lazy update (``max_pending > 1``) combines their gradients; summed (``combine="sum"``, the default
+here), as the skip-gram loss is a sum over pairs.
 
 Command line (prints one JSON object as its last line)::
 
     python -m carlskit.paradigms.node_embeddings [--data cora|citeseer|FILE.npz] [--seed S]
-        [--epochs E] [--workers N --trainers T]
+        [--epochs E] [--workers N --trainers T] [--synthetic-nodes N] [--walks-per-node W]
+        [--walk-length L] [--steps S] [--dim D] [--initial-accumulator-value A]
 """
 
 from __future__ import annotations
@@ -65,7 +67,8 @@ class NodeEmbeddingConfig:
     epochs: float = 1.0
     learning_rate: float = 0.05  # the bank tables' Adagrad
     initial_accumulator_value: float = 0.1
-    max_pending: int = 1  # 1: a gradient is applied when it arrives; more: cached and averaged
+    max_pending: int = 1  # 1: a gradient is applied when it arrives; more: cached until the next lookup
+    combine: str = "sum"  # cached gradients of a row summed: the loss is a sum over pairs (carlskit.bank._lazy)
     max_staleness: int = 1
 
 
@@ -183,7 +186,7 @@ def create_tables(bank: KnowledgeBank, config: NodeEmbeddingConfig, num_nodes: i
     """The node table (word2vec's init: U(-0.5/dim, 0.5/dim)) and the context table (zeros), Adagrad."""
     options = dict(optimizer="adagrad", learning_rate=config.learning_rate,
                    initial_accumulator_value=config.initial_accumulator_value, max_pending=config.max_pending,
-                   capacity=num_nodes)
+                   combine=config.combine, capacity=num_nodes)
     bank.create_table("nodes", config.dim, initializer="uniform", init_scale=0.5 / config.dim, seed=seed, **options)
     bank.create_table("contexts", config.dim, initializer="zeros", **options)
 
@@ -275,7 +278,8 @@ def main(argv: list[str] | None = None) -> dict:
         data = load_planetoid(args.data)
     say(f"node_embeddings: {data}", args.quiet)
     config = NodeEmbeddingConfig()
-    options = {"epochs": args.epochs, "walks_per_node": args.walks_per_node, "walk_length": args.walk_length}
+    options = {"epochs": args.epochs, "walks_per_node": args.walks_per_node, "walk_length": args.walk_length,
+               "dim": args.dim, "initial_accumulator_value": args.initial_accumulator_value}
     config = replace(config, **{k: v for k, v in options.items() if v is not None})
     if args.trainers > 1 and args.workers < args.trainers:
         raise SystemExit(f"--trainers {args.trainers} needs --workers >= {args.trainers}")

@@ -1,9 +1,11 @@
-"""Summaries (Metz et al. 2022, Appendix H.1): batched, sampled logging to aggregators sharded by
+"""Summaries (Metz et al. 2020, Appendix H.1): batched, sampled logging to aggregators sharded by
 summary name, a checksummed append-only file format, and an incremental reader.
 
 The file format is specified in :mod:`carlskit.summaries._format` and docs/summaries_format.md.
-Delivery: batches are held until their aggregator acknowledges them and re-sent to a recreated
-aggregator after a lost worker; readers drop repeats (at-least-once on disk, exactly-once as read).
+Delivery (``_delivery``, on :mod:`carlskit.cluster`'s service kit: an ``ActorHost`` and a
+``ServiceState`` per aggregator): batches are held until their aggregator acknowledges them and
+re-sent to an aggregator rebuilt on a live worker after a lost one; readers drop repeats
+(at-least-once on disk, exactly-once as read).
 TensorBoard export: ``SummaryReader.to_tensorboard`` and ``python -m carlskit.summaries export``.
 """
 

@@ -1,6 +1,6 @@
 """``SummaryWriter``: batched, sampled summary logging, direct to files or through sharded aggregators.
 
-Metz et al. 2022 (learned optimizers at scale), Appendix H.1: training workers send summaries in
+Metz et al. 2020 ("Tasks, stability, architecture, and compute"), Appendix H.1: training workers send summaries in
 batched calls to aggregator services sharded by summary name, log stochastically (``sample_rate``)
 and keep subsampled copies for fast plotting.
 
@@ -12,12 +12,17 @@ holds; the other shards are neither stopped nor re-sent to. A batch that was wri
 acknowledgement was lost with the worker is therefore written twice; every record carries the
 writer's id and the batch's sequence number, and :class:`~carlskit.summaries.SummaryReader` keeps
 one copy. The guarantee is at-least-once into the files and exactly-once as read.
+
+The writer pickles: a copy sent to a Dask task logs through the same aggregators (or, without a
+client, to its own files); closing that copy flushes it and leaves the aggregators running. A copy
+that finds an aggregator lost creates its own replacement (closed with the copy). A copy samples
+from fresh entropy, not from ``seed``. Points still buffered in a writer that is garbage-collected
+without :meth:`~SummaryWriter.close` are lost (open writers are closed at interpreter exit).
 """
 
 from __future__ import annotations
 
 import atexit
-import collections
 import contextlib
 import contextvars
 import math
@@ -26,107 +31,33 @@ import secrets
 import threading
 import time
 import weakref
-import zlib
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from carlskit import _checks
-from carlskit._errors import ServiceGaveUpError, WorkerLostError
-from carlskit.cluster._loss import actor_lost, is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement
-from carlskit.cluster._supervised import Backoff, RestartPolicy, restart_policy
+from carlskit._errors import ServiceGaveUpError
+from carlskit.cluster import Placement, RestartPolicy, restart_policy
 from carlskit.summaries import _format
-from carlskit.summaries._files import Batch, SummaryFiles, new_origin
+from carlskit.summaries._delivery import (
+    CALL_TIMEOUT_SECONDS,
+    MAX_SHARDS,
+    Delivery,
+    SummaryAggregator,
+    SummaryAggregatorError,
+    aggregator_of,
+    take_batches,
+)
+
+__all__ = ["SummaryWriter", "SummaryAggregator", "SummaryAggregatorError", "aggregator_of", "CALL_TIMEOUT_SECONDS"]
 
 #: Upper bounds of size arguments: a typo (``bins=10**9``) is a clear ``ValueError`` here, never a
 #: ``MemoryError`` in a background thread. ``max_pending`` entries cost about 100 bytes each.
 MAX_PENDING_LIMIT = 100_000_000
 MAX_BINS = 65_536
 MAX_SAMPLES = 1 << 20
-MAX_SHARDS = 1_024
 MAX_TEXT_BYTES = (1 << 31) - 1  # lengths are u32 in the file format
-#: An aggregator call that has not answered in this long counts as a failed call (retried under
-#: the backoff; a batch it did write is dropped as a repeat by readers).
-CALL_TIMEOUT_SECONDS = 120.0
-
-
-def aggregator_of(name: str, n_shards: int) -> int:
-    """Stable shard of a summary name: ``crc32(utf8(name)) mod n_shards`` (same in every process,
-    unlike Python's salted ``hash``)."""
-    return zlib.crc32(name.encode("utf-8")) % n_shards
-
-
-class SummaryAggregatorError(RuntimeError):
-    """An aggregator could not write a batch (its own failure, e.g. a full disk; not a lost worker).
-
-    Raised at the writer's next call; the batch stays with the writer and is re-sent at the next
-    flush.
-    """
-
-
-class SummaryAggregator:
-    """A Dask actor owning one shard: appends the batches it receives to its own files.
-
-    Created by :class:`SummaryWriter` (one per shard, spread over the workers, recreated on a live
-    worker when its worker is lost); not used directly.
-    """
-
-    def __init__(self, logdir: str, shard: int):
-        self.shard = shard
-        self._files = SummaryFiles(logdir, new_origin(f"shard{shard:03d}"))
-        self._written: dict[int, int] = {}  # writer id -> highest sequence number written
-
-    def append(self, writer_id: int, sends: list[tuple[int, list[Batch]]]) -> int:
-        """Write the ``(sequence, batches)`` not written yet (a re-send after a failed call repeats
-        some), in order; return the highest sequence number of ``writer_id`` now in the files: the
-        acknowledgement."""
-        last = self._written.get(writer_id, -1)
-        for sequence, batches in sends:
-            if sequence <= last:
-                continue
-            try:
-                self._files.append(batches, writer_id, sequence)
-            except Exception as error:  # a type of our own: the writer tells it from a lost worker
-                raise SummaryAggregatorError(
-                    f"aggregator of shard {self.shard} could not write: {type(error).__name__}: {error}") from None
-            last = self._written[writer_id] = sequence
-        return last
-
-    def flush_to_disk(self) -> None:
-        self._files.flush_to_disk()
-
-    def close(self) -> None:
-        self._files.close()
-
-    def status(self) -> dict[str, Any]:
-        return {"shard": self.shard, "origin": self._files.origin,
-                "records": self._files.records_written, "entries": self._files.entries_written}
-
-
-class _Shard:
-    """What one writer holds for one shard: the aggregator it sends to and the batches that
-    aggregator has not acknowledged yet (``(sequence, batches, entries)``, oldest first)."""
-
-    def __init__(self, index: int, policy: RestartPolicy, actor: Any = None, future: Any = None,
-                 owned: bool = False):
-        self.index, self.actor, self.future, self.owned = index, actor, future, owned
-        self.unacked: collections.deque = collections.deque()
-        self.next_sequence = 0
-        self.held = 0  # entries in unacked
-        self.backoff = Backoff(policy)
-        self.state = "ok"  # ok | restarting | gave up
-        self.needs_new_aggregator = False
-        self.creating: Any = None  # the future of an aggregator being created
-        self.watched = owned  # a copy's shard gets a future of the actor's key on first use
-        self.reason: str | None = None  # why it is restarting now
-        self.last_failure: str | None = None  # kept after recovery, for status()
-        self.lost_at: float | None = None
-        self.restarts = 0
-        self.recoveries: list[float] = []  # seconds from a failure to the next acknowledged batch
-        self.old_futures: list[Any] = []  # futures of replaced aggregators, released at close
-
 
 
 _open_writers: weakref.WeakSet = weakref.WeakSet()
@@ -154,6 +85,33 @@ def _check_name(name: str) -> str:
     return name
 
 
+def _check_steps(steps: Any, shape: tuple[int, ...]) -> np.ndarray:
+    """``steps`` as int64 of ``shape`` (``scalars``' values'), or ValueError naming them."""
+    try:
+        steps = np.asarray(steps)
+    except (ValueError, TypeError) as error:
+        raise ValueError(f"steps must be integers of shape {shape} like values, got a ragged or "
+                         f"unconvertible {type(steps).__name__}") from error
+    if steps.shape != shape or steps.dtype.kind not in "iu":
+        raise ValueError(f"steps must be integers of shape {shape} like values, got {steps.dtype} {steps.shape}")
+    if steps.dtype.kind == "u" and steps.size and int(steps.max()) > _checks.INT64_MAX:
+        raise ValueError(f"steps must fit in int64, got a step of {int(steps.max())}")
+    return steps.astype(np.int64)
+
+
+def _array_entry(flat: np.ndarray, kind: int, bins: int, max_samples: int, rng: np.random.Generator) -> tuple:
+    """What ``array`` logs of ``flat``: ``(bins, edges, counts)`` of the histogram of its finite
+    values, or ``(size, subsample)`` of at most ``max_samples`` elements drawn with ``rng``."""
+    if kind == _format.HISTOGRAMS:
+        finite = flat[np.isfinite(flat)]
+        counts, edges = np.histogram(finite, bins=bins) if finite.size else (
+            np.zeros(bins), np.linspace(0.0, 1.0, bins + 1))
+        return bins, edges.astype(np.float64), counts.astype(np.float64)
+    if flat.size > max_samples:
+        return flat.size, flat[np.sort(rng.choice(flat.size, size=max_samples, replace=False))]
+    return flat.size, flat.copy()
+
+
 def _value_of(name: str, value: Any) -> float:
     """``float(value)`` for a real number (Python, numpy or a 0-d JAX array), never a string."""
     if type(value) is float:
@@ -175,16 +133,13 @@ class SummaryWriter:
     (:func:`aggregator_of`); each aggregator appends to its own files. ``logdir`` must then be a path
     every worker sees (a local or shared file system).
 
-    Lost aggregators: the writer holds each shard's batches until its aggregator acknowledges
-    them. An aggregator whose worker is lost (detected by type: :func:`carlskit.cluster.is_worker_loss`,
-    :func:`carlskit.cluster.actor_lost`) is recreated on a live worker with exponential backoff
-    (``restart_policy``) and the held batches are re-sent, so no point is lost; the other shards
-    keep flushing meanwhile. A batch can reach the files twice (written, then the worker died
-    before acknowledging); readers drop the repeat (at-least-once on disk, exactly-once as read).
-    When a shard's restart budget is spent, the writer's next call raises
-    :class:`carlskit.ServiceGaveUpError`. An aggregator's own failure (e.g. a full disk) raises
-    :class:`SummaryAggregatorError` at the next call and the batch is re-sent at the next flush.
-    :meth:`status` shows each shard's state, held entries, restarts and recovery times.
+    Lost aggregators (:mod:`carlskit.summaries._delivery`, on the service kit of
+    :mod:`carlskit.cluster`): each shard's batches are held until its aggregator acknowledges them;
+    an aggregator whose worker is lost is rebuilt on a live worker with backoff (``restart_policy``)
+    and the held batches are re-sent (no point lost; a repeat is dropped by readers), while the
+    other shards keep flushing. A spent restart budget raises :class:`carlskit.ServiceGaveUpError`
+    at the next call; an aggregator's own failure (e.g. a full disk) raises
+    :class:`SummaryAggregatorError` and the batch is re-sent. :meth:`status` shows every shard.
 
     Backpressure: at most ``max_pending`` entries are held (buffered plus sent but not
     acknowledged). A logging call that finds the bound reached blocks until acknowledgements make
@@ -192,15 +147,9 @@ class SummaryWriter:
     restart budget is spent).
 
     Stochastic logging (H.1): each call is kept with probability ``sample_rate`` (the writer's, or
-    the call's own), drawn from a generator seeded by ``seed``.
-
-    The writer pickles: a copy sent to a Dask task logs through the same aggregators (or, without a
-    client, to its own files); closing that copy flushes it and leaves the aggregators running. A
-    copy that finds an aggregator lost creates its own replacement (closed with the copy). A copy
-    samples from fresh entropy, not from ``seed``. Points still buffered in a writer that is
-    garbage-collected without :meth:`close` are lost (open writers are closed at interpreter exit).
-    Use it as a context manager or call :meth:`close`; :meth:`flush` blocks until everything logged
-    so far is in the files.
+    the call's own), drawn from a generator seeded by ``seed``. Copies (pickling) and closing: see
+    the module docstring. Use it as a context manager or call :meth:`close`; :meth:`flush` blocks
+    until everything logged so far is in the files.
 
     Args:
       logdir: directory of the summary files (created if missing).
@@ -266,43 +215,17 @@ class SummaryWriter:
         self._gave_up: str | None = None
         self._closed = False
         self._alarm = False  # closed, a background error or a give-up: checked by every call
-        self._client = client
-        self._files: SummaryFiles | None = None
-        self._shards, self._owns_aggregators = self._open_shards(client, n_shards, _aggregators)
-        if self._shards[0].actor is None:
-            self._files = SummaryFiles(self.logdir, new_origin("writer"))
+        self._delivery = Delivery(self.logdir, self.restart_policy, self.placement, client, n_shards, _aggregators,
+                                  self._freed, self._give_up)
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None  # started by the first logging call
         _open_writers.add(self)
 
     # -- aggregators ---------------------------------------------------------------------------
-    def _open_shards(self, client: Any, n_shards: int | None, aggregators: list | None) -> tuple[list[_Shard], bool]:
-        """The shards this writer sends to, and whether it started (and so owns) their aggregators:
-        those of a copy unpickled in another process, new ones on ``client``'s workers, or one
-        local shard writing files from this process."""
-        if aggregators is not None:  # a copy unpickled in another process
-            return [_Shard(index, self.restart_policy, actor) for index, actor in enumerate(aggregators)], False
-        if client is not None:
-            return self._start_aggregators(client, n_shards), True
-        return [_Shard(0, self.restart_policy)], False
-
-    def _start_aggregators(self, client, n_shards: int | None) -> list[_Shard]:
-        workers = self.placement.candidates(client)
-        if not workers:
-            raise ValueError(f"no worker matches the aggregators' placement ({self.placement})")
-        if n_shards is None:
-            n_shards = min(max(1, len(workers)), MAX_SHARDS)
-        logdir = str(self.logdir.resolve())
-        futures = [
-            client.submit(
-                SummaryAggregator, logdir, shard, actor=True, pure=False,
-                workers=[workers[shard % len(workers)]], allow_other_workers=False,
-            )
-            for shard in range(n_shards)
-        ]
-        return [_Shard(shard, self.restart_policy, future.result(), future, owned=True)
-                for shard, future in enumerate(futures)]
+    @property
+    def _shards(self) -> list:
+        return self._delivery.shards
 
     @property
     def n_shards(self) -> int:
@@ -310,26 +233,13 @@ class SummaryWriter:
 
     @property
     def _aggregators(self) -> list:
-        return [shard.actor for shard in self._shards if shard.actor is not None]
+        return self._delivery.aggregators
 
     def __reduce__(self):
         aggregators = self._aggregators or None
         return (_rebuild_writer, (str(self.logdir), aggregators, self.sample_rate,
                                   self.flush_every_seconds, self.max_pending, self.block_seconds,
                                   self.restart_policy, self.placement))
-
-    def _start_flush_thread(self) -> None:
-        """Start the background flush in a copy of the caller's context: inside a Dask task that
-        context names the worker, which actor calls from the thread need."""
-        with self._lock:
-            if self._thread is not None or self._closed:
-                return
-            self._thread = threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(_flush_loop, weakref.ref(self), self._wake, self._stop),
-                name="carlskit-summary-flush", daemon=True,
-            )
-            self._thread.start()
 
     # -- logging -------------------------------------------------------------------------------
     def _keep(self, sample_rate: float | None) -> bool:
@@ -344,7 +254,7 @@ class SummaryWriter:
         if self._held + entries > self.max_pending and self._held > 0:
             self._wait_for_room(entries)
         if self._thread is None:
-            self._start_flush_thread()
+            _start_flush_thread(self)
 
     def scalar(self, name: str, value: float, step: int, *, sample_rate: float | None = None) -> bool:
         """Log one scalar; return whether it was kept by sampling. Costs about a microsecond.
@@ -380,18 +290,7 @@ class SummaryWriter:
         ``steps`` integers in the int64 range); return how many were kept."""
         _check_name(name)
         values = _checks.real_array(values, "values").astype(np.float64).reshape(-1)
-        try:
-            steps = np.asarray(steps)
-        except (ValueError, TypeError) as error:
-            raise ValueError(f"steps must be integers of shape {values.shape} like values, got a ragged or "
-                             f"unconvertible {type(steps).__name__}") from error
-        if steps.shape != values.shape or steps.dtype.kind not in "iu":
-            raise ValueError(
-                f"steps must be integers of shape {values.shape} like values, got {steps.dtype} {steps.shape}"
-            )
-        if steps.dtype.kind == "u" and steps.size and int(steps.max()) > _checks.INT64_MAX:
-            raise ValueError(f"steps must fit in int64, got a step of {int(steps.max())}")
-        steps = steps.astype(np.int64)
+        steps = _check_steps(steps, values.shape)
         self._before_logging(values.size)
         rate = self.sample_rate if sample_rate is None else _check_rate(sample_rate)
         wall_time = time.time()
@@ -434,22 +333,14 @@ class SummaryWriter:
         else:
             raise ValueError(f"mode must be 'histogram' or 'samples', got {mode!r}")
         flat = _checks.real_array(values, "values").astype(np.float64).reshape(-1)
-        if kind == _format.HISTOGRAMS:
-            finite = flat[np.isfinite(flat)]
-            counts, edges = np.histogram(finite, bins=bins) if finite.size else (
-                np.zeros(bins), np.linspace(0.0, 1.0, bins + 1))
-            entry = (bins, edges.astype(np.float64), counts.astype(np.float64))
+        entry = _array_entry(flat, kind, bins, max_samples, self._rng) if kind == _format.HISTOGRAMS else None
         self._before_logging()
         wall_time = time.time()
         with self._lock:
             if not self._keep(sample_rate):
                 return False
-            if kind == _format.SAMPLES:
-                if flat.size > max_samples:
-                    chosen = np.sort(self._rng.choice(flat.size, size=max_samples, replace=False))
-                    entry = (flat.size, flat[chosen])
-                else:
-                    entry = (flat.size, flat.copy())
+            if entry is None:  # a subsample draws from the generator, under its lock
+                entry = _array_entry(flat, kind, bins, max_samples, self._rng)
             self._others.setdefault((kind, name), []).append((step, wall_time, entry))
             self._buffered += 1
             self._held += 1
@@ -501,223 +392,33 @@ class SummaryWriter:
                     f"summary writer holds {self._held} entries (max_pending={self.max_pending}) and no "
                     f"aggregator acknowledged room for {self.block_seconds} s (block_seconds)")
             if self._thread is None:
-                self._start_flush_thread()
+                _start_flush_thread(self)
             self._room.clear()
             self._wake.set()
             self._room.wait(0.05)
 
     # -- flushing ------------------------------------------------------------------------------
-    def _take_batches(self) -> list[Batch]:
+    def _freed(self, entries: int) -> None:
+        """Acknowledgements freed ``entries`` held entries: room for blocked logging calls."""
         with self._lock:
-            scalars, self._scalars = self._scalars, {}
-            others, self._others = self._others, {}
-            self._buffered = 0
-        batches: list[Batch] = []
-        for name, (steps, wall_times, values) in scalars.items():
-            if not steps:
-                continue
-            batches.append((_format.SCALARS, name, len(steps), [
-                np.array(steps, dtype=np.int64), np.array(wall_times, dtype=np.float64),
-                np.array(values, dtype=np.float64)]))
-        for (kind, name), entries in others.items():
-            if not entries:  # nothing was appended (never expected; one empty list must not cost the rest)
-                continue
-            batches.append((kind, name, len(entries), _columns_of(kind, entries)))
-        return batches
+            self._held -= entries
+        self._room.set()
 
-    def _acknowledged(self, shard: _Shard, sequence: int) -> None:
-        freed = 0
-        while shard.unacked and shard.unacked[0][0] <= sequence:
-            freed += shard.unacked.popleft()[2]
-        shard.held -= freed
+    def _give_up(self, message: str) -> None:
         with self._lock:
-            self._held -= freed
-        if shard.backoff.failures or shard.state != "ok":
-            if shard.lost_at is not None:
-                shard.recoveries.append(time.monotonic() - shard.lost_at)
-            shard.backoff.success()
-            shard.state, shard.reason, shard.lost_at = "ok", None, None
+            self._gave_up = self._gave_up or message
+            self._alarm = True
         self._room.set()
 
     def _flush_step(self) -> bool:
-        """Move the buffers into per-shard batches and send every shard what it has not
-        acknowledged; recreate lost aggregators whose backoff has passed. Returns whether
-        everything is acknowledged. Raises an aggregator's own error (after every shard was
-        served)."""
+        """Send the buffers and everything not acknowledged (:meth:`Delivery.send`); returns
+        whether everything is acknowledged."""
         with self._flush_lock:
-            batches = self._take_batches()
-            per_shard: dict[int, list[Batch]] = {}
-            for batch in batches:
-                per_shard.setdefault(aggregator_of(batch[1], len(self._shards)), []).append(batch)
-            for index, part in per_shard.items():
-                shard = self._shards[index]
-                entries = sum(batch[2] for batch in part)
-                shard.unacked.append((shard.next_sequence, part, entries))
-                shard.next_sequence += 1
-                shard.held += entries
-            if self._files is not None:
-                return self._write_direct()
-            calls, errors = [], []
-            for shard in self._shards:
-                if shard.state == "restarting":
-                    self._try_restart(shard)
-                if shard.state != "ok" or not shard.unacked:
-                    continue
-                self._watch(shard)
-                sends = [(sequence, part) for sequence, part, _ in shard.unacked]
-                try:
-                    calls.append((shard, shard.actor.append(self._writer_id, sends)))
-                except Exception as error:
-                    self._failed(shard, error, errors)
-            for shard, call in calls:
-                try:
-                    self._acknowledged(shard, self._result_of(shard, call))
-                except Exception as error:
-                    self._failed(shard, error, errors)
-            if errors:
-                raise errors[0]
-            return not any(shard.unacked for shard in self._shards)
-
-    def _result_of(self, shard: _Shard, call: Any) -> int:
-        """The acknowledgement of an aggregator call. Waits in short slices, so a call to a worker
-        that died is given up as soon as the actor's future says so (a connection attempt to a
-        dead worker's address is otherwise retried for distributed's 30 s connect timeout)."""
-        deadline = time.monotonic() + CALL_TIMEOUT_SECONDS
-        while True:
-            done = call.done()
-            try:
-                return call.result(timeout=None if done else 0.05)
-            except TimeoutError:
-                if done:
-                    raise
-            if actor_lost(shard.future):
-                raise WorkerLostError(f"the worker holding the aggregator of shard {shard.index} was lost")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the aggregator of shard {shard.index} did not answer in "
-                                   f"{CALL_TIMEOUT_SECONDS:g} s")
-
-    def _watch(self, shard: _Shard) -> None:
-        """Give a copy's shard a future of the actor's key (a copy is handed actors, not the
-        futures that made them), so its loss is known from the future's state."""
-        if shard.future is not None or shard.watched:
-            return
-        shard.watched = True
-        try:
-            from distributed import Future
-
-            # Not waited on: inside a task that wait cost up to 30 s a shard. Until the scheduler
-            # confirms it the future is "pending", which actor_lost does not count as a loss.
-            shard.future = Future(shard.actor.key, self._restart_client())
-        except Exception:  # no client here: the loss is then told by the worker list (_actor_gone)
-            shard.future = None
-
-    def _write_direct(self) -> bool:
-        shard = self._shards[0]
-        while shard.unacked:
-            sequence, part, _ = shard.unacked[0]
-            self._files.append(part, self._writer_id, sequence)  # an error keeps the batch for later
-            self._acknowledged(shard, sequence)
-        return True
-
-    def _failed(self, shard: _Shard, error: BaseException, errors: list) -> None:
-        """One shard's call failed: an aggregator's own error is reported (the batch is re-sent
-        next flush); anything else is a lost or unreachable aggregator, retried with backoff."""
-        if isinstance(error, SummaryAggregatorError):
-            errors.append(error)
-            return
-        if shard.lost_at is None:
-            shard.lost_at = time.monotonic()
-        shard.reason = shard.last_failure = f"{type(error).__name__}: {error}"
-        # Lost for good (recreate it) or maybe only unreachable for now (call it again): by type
-        # and by the state of the future that created the actor, never by message text.
-        shard.needs_new_aggregator = shard.needs_new_aggregator or is_worker_loss(error) or self._actor_gone(shard)
-        delay = shard.backoff.failure()
-        if delay is None:
-            shard.state = "gave up"
-            message = (f"SummaryWriter({str(self.logdir)!r}): gave up the aggregator of shard {shard.index} after "
-                       f"{shard.backoff.failures} failures in {self.restart_policy.budget_seconds:g} s "
-                       f"(restart budget spent); {shard.held} entries are still held; last: {shard.reason}")
             with self._lock:
-                self._gave_up = self._gave_up or message
-                self._alarm = True
-            self._room.set()
-            return
-        shard.state = "restarting"
-
-    def _actor_gone(self, shard: _Shard) -> bool:
-        if shard.future is not None:
-            return actor_lost(shard.future)
-        # A copy in a task holds no future: the actor is gone when its worker left the cluster.
-        try:
-            workers = self._restart_client().scheduler_info(n_workers=-1)["workers"]
-        except Exception:
-            return False
-        return getattr(shard.actor, "_address", None) not in workers
-
-    def _restart_client(self):
-        if self._client is not None:
-            return self._client
-        from distributed import get_client
-
-        return get_client()
-
-    def _try_restart(self, shard: _Shard) -> None:
-        """Advance a restarting shard: wait out its backoff, then call its aggregator again or
-        create a new one on a live worker; a new aggregator counts once it is built."""
-        if shard.creating is not None:
-            if shard.creating.status == "pending":
-                if shard.backoff.seconds_left() <= 0.0:  # e.g. no worker at all: the budget ends the wait
-                    future, shard.creating = shard.creating, None
-                    with contextlib.suppress(Exception):
-                        future.release()
-                    self._failed(shard, TimeoutError("the new aggregator was not built within the restart "
-                                                     "budget (no live worker took it)"), [])
-                return
-            future, shard.creating = shard.creating, None
-            try:
-                actor = future.result(timeout=CALL_TIMEOUT_SECONDS)
-            except Exception as error:
-                self._failed(shard, error, [])
-                return
-            if shard.future is not None:
-                shard.old_futures.append(shard.future)  # released at close
-            shard.actor, shard.future, shard.owned = actor, future, True
-            shard.needs_new_aggregator = False
-            shard.restarts += 1
-            shard.state = "ok"  # acknowledged batches end the failure streak (_acknowledged)
-            return
-        if not shard.backoff.ready():
-            return
-        if not shard.needs_new_aggregator:
-            if self._actor_gone(shard):
-                shard.needs_new_aggregator = True
-            else:
-                shard.state = "ok"  # call the same aggregator again
-                return
-        try:
-            client = self._restart_client()
-            lost = getattr(shard.actor, "_address", None)
-            workers = sorted(set(self.placement.candidates(client)) - {lost})
-            if not workers:
-                raise NoWorkerError(f"no live worker to recreate the aggregator on (placement: {self.placement})")
-            load = collections.Counter(getattr(other.actor, "_address", None) for other in self._shards)
-            worker = min(workers, key=lambda address: (load[address], address))
-            shard.creating = client.submit(
-                SummaryAggregator, str(self.logdir.resolve()), shard.index, actor=True, pure=False,
-                workers=[worker], allow_other_workers=False)
-        except Exception as error:
-            self._failed(shard, error, [])
-
-    def _background_flush(self) -> None:
-        try:
-            self._flush_step()
-        except BaseException as error:  # surfaced by the next call (scalar, array, text, flush, close)
-            self._set_error(error)
-
-    def _all_healthy(self) -> bool:
-        """No shard recovering or holding batches to re-send (a given-up shard waits no more)."""
-        return not any(shard.state == "restarting" or (shard.state == "ok" and shard.unacked)
-                       for shard in self._shards)
+                scalars, self._scalars = self._scalars, {}
+                others, self._others = self._others, {}
+                self._buffered = 0
+            return self._delivery.send(take_batches(scalars, others), self._writer_id)
 
     def flush(self) -> None:
         """Write everything logged so far; return once every shard's aggregator has acknowledged it
@@ -733,18 +434,12 @@ class SummaryWriter:
     def status(self) -> dict[str, Any]:
         """Health of the writer: per shard its state (``ok``, ``restarting``, ``gave up``), entries
         held for it, restarts, failures in the current streak, restart budget left, last failure
-        reason and recovery times (seconds from a failure to the next acknowledged batch)."""
+        reason and recovery times (seconds from a failure to the next acknowledged batch); and each
+        aggregator's :class:`carlskit.cluster.ServiceStatus` (``services``, for ``ClusterStatus``)."""
         # read without the flush lock (a flush may be waiting on a call): counters, not the queues
-        shards = [{"shard": shard.index, "state": shard.state, "held_entries": shard.held,
-                   "unacknowledged_batches": len(shard.unacked), "restarts": shard.restarts,
-                   "failures": shard.backoff.failures,
-                   "budget_left_seconds": round(shard.backoff.seconds_left(), 3),
-                   "reason": shard.reason, "last_failure": shard.last_failure,
-                   "recovery_seconds": list(shard.recoveries),
-                   "worker": getattr(shard.actor, "_address", None)}
-                  for shard in self._shards]
         return {"held_entries": self._held, "max_pending": self.max_pending, "placement": str(self.placement),
-                "closed": self._closed, "gave_up": self._gave_up, "shards": shards}
+                "closed": self._closed, "gave_up": self._gave_up, "shards": self._delivery.status(),
+                "services": self._delivery.services()}
 
     def close(self) -> None:
         """Flush, stop the background thread and close the aggregators this writer created (their
@@ -760,28 +455,7 @@ class SummaryWriter:
         finally:
             self._closed = self._alarm = True
             _open_writers.discard(self)
-            if self._files is not None:
-                self._files.close()
-            self._close_aggregators()
-
-    def _close_aggregators(self) -> None:
-        calls = []
-        for shard in self._shards:
-            if shard.owned and shard.actor is not None and not self._actor_gone(shard):
-                with contextlib.suppress(Exception):  # a lost one has nothing left to close
-                    calls.append(shard.actor.close())
-        for call in calls:
-            with contextlib.suppress(Exception):
-                call.result(timeout=CALL_TIMEOUT_SECONDS)
-        for shard in self._shards:
-            # a copy's watch future is released too; only the aggregators it built are closed
-            futures = ([shard.future] if shard.future is not None else []) + shard.old_futures
-            if shard.creating is not None:
-                futures.append(shard.creating)
-            for future in futures:
-                with contextlib.suppress(Exception):
-                    future.release()
-            shard.old_futures, shard.creating, shard.future = [], None, None
+            self._delivery.close()
 
     def __enter__(self) -> SummaryWriter:
         return self
@@ -790,7 +464,7 @@ class SummaryWriter:
         self.close()
 
     def __repr__(self) -> str:
-        where = f"{len(self._shards)} aggregators" if self._files is None else "direct"
+        where = f"{len(self._shards)} aggregators" if self._delivery.files is None else "direct"
         state = "closed" if self._closed else "open"
         return f"SummaryWriter({str(self.logdir)!r}, {where}, sample_rate={self.sample_rate:g}, {state})"
 
@@ -799,20 +473,16 @@ def _restart_policy(value: RestartPolicy | float | None) -> RestartPolicy:
     return restart_policy(value, "restart_policy")
 
 
-def _columns_of(kind: int, entries: list) -> list[np.ndarray]:
-    steps = np.array([entry[0] for entry in entries], dtype=np.int64)
-    wall_times = np.array([entry[1] for entry in entries], dtype=np.float64)
-    payloads = [entry[2] for entry in entries]
-    if kind == _format.HISTOGRAMS:
-        bins = np.array([payload[0] for payload in payloads], dtype=np.uint32)
-        data = np.concatenate([np.concatenate([edges, counts]) for _, edges, counts in payloads])
-        return [steps, wall_times, bins, data]
-    if kind == _format.SAMPLES:
-        sizes = np.array([payload[0] for payload in payloads], dtype=np.uint64)
-        lengths = np.array([payload[1].size for payload in payloads], dtype=np.uint32)
-        return [steps, wall_times, sizes, lengths, np.concatenate([payload[1] for payload in payloads])]
-    lengths = np.array([len(payload) for payload in payloads], dtype=np.uint32)
-    return [steps, wall_times, lengths, np.frombuffer(b"".join(payloads), dtype=np.uint8)]
+def _start_flush_thread(writer: SummaryWriter) -> None:
+    """Start ``writer``'s background flush in a copy of the caller's context: inside a Dask task
+    that context names the worker, which actor calls from the thread need."""
+    with writer._lock:
+        if writer._thread is not None or writer._closed:
+            return
+        writer._thread = threading.Thread(target=contextvars.copy_context().run, name="carlskit-summary-flush",
+                                          args=(_flush_loop, weakref.ref(writer), writer._wake, writer._stop),
+                                          daemon=True)
+        writer._thread.start()
 
 
 def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> None:
@@ -821,7 +491,7 @@ def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> Non
         if writer is None:
             return
         # a shard recovering (or batches awaiting a re-send) is served often, not once a period
-        period = writer.flush_every_seconds if writer._all_healthy() else min(writer.flush_every_seconds, 0.05)
+        period = writer.flush_every_seconds if writer._delivery.all_healthy() else min(writer.flush_every_seconds, 0.05)
         del writer  # hold no strong reference while sleeping, so an abandoned writer is collected
         wake.wait(period)
         wake.clear()
@@ -830,7 +500,10 @@ def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> Non
         writer = writer_ref()
         if writer is None:
             return
-        writer._background_flush()
+        try:
+            writer._flush_step()
+        except BaseException as error:  # surfaced by the next call (scalar, array, text, flush, close)
+            writer._set_error(error)
         del writer
 
 

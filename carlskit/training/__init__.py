@@ -1,4 +1,6 @@
-"""The CARLS trainer (paper section 3.3): checkpoints, input pipeline with bank knowledge, losses.
+"""The CARLS trainer (paper section 3.3): input pipeline with bank knowledge, losses; checkpoints
+(``CheckpointStore``, ``restore_model``) are re-exported from :mod:`carlskit.checkpoints`, below
+training, makers and lopt.
 
 The trainer's jitted step (``carlskit/_step.py``: the loss's gradient with respect to the model's
 ``nnx.Param`` variables, applied by an ``nnx.Optimizer``) is the one that

@@ -37,7 +37,6 @@ from flax import nnx
 from carlskit._checks import integer
 from carlskit._step import BANK_ROWS as ROWS
 from carlskit.bank import ShardLostError
-from carlskit.training._knowledge import table_config
 from carlskit.training._pipeline import Batch
 
 INDEX = "bank_index/"
@@ -116,7 +115,7 @@ class BankEmbeddings:
         clean: dict[str, tuple[str, ...]] = {}
         seen: set[str] = set()
         for table, fields in tables.items():
-            table_config(bank, table, "embedding")
+            bank.table_config(table, "embedding")
             fields = (fields,) if isinstance(fields, str) else tuple(fields)
             if not fields or not all(isinstance(f, str) and f for f in fields):
                 raise ValueError(f"tables[{table!r}] must be a non-empty list of batch field names, got {fields!r}")
@@ -136,7 +135,7 @@ class BankEmbeddings:
         self.num_ids = num_ids
         self.max_staleness = integer(max_staleness, "max_staleness", minimum=0)
         self.knowledge = knowledge
-        self.dims = {table: bank.tables[table]["dim"] for table in clean}
+        self.dims = {table: bank.table_config(table).dim for table in clean}
         self.resent_gradients = 0  # re-sent after a lost shard (module docstring of _send_again)
         self._init_sync()
 

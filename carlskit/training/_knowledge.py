@@ -12,23 +12,6 @@ from carlskit.bank import ShardLostError
 from carlskit.training._pipeline import Batch
 
 
-def table_config(bank: Any, name: str, kind: str, fields: tuple[str, ...] = ()) -> dict:
-    """The config of ``bank``'s table ``name``; ``ValueError`` unless it exists, is of ``kind``
-    (``"embedding"`` or ``"feature"``) and, for a feature table, has exactly ``fields``."""
-    tables = bank.tables
-    if name not in tables:
-        raise ValueError(f"the bank has no table {name!r} (tables: {sorted(tables)})")
-    config = tables[name]
-    wanted = f"a feature table with fields {' and '.join(fields)}" if fields else \
-        f"{'an' if kind == 'embedding' else 'a'} {kind} table"
-    if config.get("kind") != kind:
-        raise ValueError(f"table {name!r} must be {wanted}, got {'an' if config.get('kind') == 'embedding' else 'a'} "
-                         f"{config.get('kind')} table")
-    if fields and set(config.get("schema") or {}) != set(fields):
-        raise ValueError(f"table {name!r} must be {wanted}, got fields {sorted(config.get('schema') or {})}")
-    return config
-
-
 def with_bank_recovery(knowledge: Callable[[Batch], Batch] | None,
                        recoveries: list[dict]) -> Callable[[Batch], Batch] | None:
     """``knowledge`` that survives a lost bank shard (used by ``Trainer.fit``).
@@ -78,7 +61,7 @@ def _batch_ids(batch: Batch, key: str, stage: str) -> np.ndarray:
 
 def check_embedding_dim(bank: Any, table: str, dim: int) -> None:
     """Raise ``ValueError`` at start-up when a model's embedding size differs from the bank table's."""
-    expected = table_config(bank, table, "embedding").get("dim")
+    expected = bank.table_config(table, "embedding").dim
     if expected != dim:
         raise ValueError(f"the model's embedding dim {dim} differs from bank table {table!r}'s dim {expected}")
 
@@ -104,8 +87,8 @@ class NeighborKnowledge:
     def __init__(self, bank: Any, *, max_neighbors: int, records_table: str = "nbrs",
                  embeddings_table: str = "emb", key: str = "ids"):
         max_neighbors = positive_int(max_neighbors, "max_neighbors")
-        width = table_config(bank, records_table, "feature", ("ids", "weights"))["schema"]["ids"][1]
-        dim = table_config(bank, embeddings_table, "embedding")["dim"]
+        width = bank.table_config(records_table, "feature", ("ids", "weights")).fields["ids"][1]
+        dim = bank.table_config(embeddings_table, "embedding").dim
         if max_neighbors > width:
             raise ValueError(f"max_neighbors {max_neighbors} exceeds the {records_table!r} record width {width}")
         self.bank = bank
@@ -165,7 +148,7 @@ class MinedLabels:
     """
 
     def __init__(self, bank: Any, table: str = "labels", key: str = "ids"):
-        table_config(bank, table, "feature", ("label", "confidence"))
+        bank.table_config(table, "feature", ("label", "confidence"))
         self.bank, self.table, self.key = bank, table, key
 
     def __call__(self, batch: Batch) -> Batch:
@@ -206,7 +189,7 @@ class BankNegatives:
         if not instance(tables, "tables", dict, "a non-empty dict {table: name}"):
             raise ValueError(f"tables must be a non-empty dict {{table: name}}, got {tables!r}")
         for table in tables:
-            table_config(bank, table, "embedding")
+            bank.table_config(table, "embedding")
         candidates = np.unique(np.asarray(candidates))
         if candidates.ndim != 1 or candidates.dtype.kind not in "iu" or len(candidates) == 0:
             raise ValueError(f"candidates must be a non-empty 1-D array of int keys, got {candidates.dtype} "

@@ -8,6 +8,11 @@ transformation, loss, knowledge function, checkpoint store) to one worker chosen
 While it runs, the worker sends its history records through a Dask ``Queue`` every half second, so
 the notebook's progress bar, live plot and summary writer follow as if training were local.
 
+The trainer owns the run (``Trainer._fit_remotely`` and the worker's task ``_fit_on_worker``, both in
+``_trainer.py``); this module is the transport beneath it and knows nothing of the trainer: a
+:class:`RemoteFit` spec goes in (what the worker needs to rebuild the trainer), a
+:class:`RemoteResult` comes out, and records reach the caller through ``on_records``.
+
 Losing the worker costs at most ``checkpoint_every`` steps: the task is submitted again (on a live
 worker of the same placement, under the trainer's restart policy), the new run restores the newest
 intact checkpoint of the shared store when it is newer than the shipped state, and trains on to the
@@ -24,11 +29,9 @@ import dataclasses
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
-import jax
-
-from carlskit._notebook import step_done
 from carlskit.cluster import NoWorkerError, Placement, is_accelerator, retry_on_worker_loss
 
 REPORT_SECONDS = 0.5
@@ -36,9 +39,10 @@ REPORT_SECONDS = 0.5
 PLACEMENT_FIELDS = ("group", "host", "backend", "device_count", "device_kinds", "resources")
 
 
-@dataclasses.dataclass
-class _Shipped:
-    """Everything a worker needs to rebuild the trainer (no JAX arrays: NumPy travels anywhere)."""
+@dataclasses.dataclass(frozen=True)
+class RemoteFit:
+    """What a worker needs to rebuild a trainer and fit it to ``target_step`` (no JAX arrays:
+    ``state`` is the trainer's checkpoint tree as NumPy, which travels anywhere)."""
 
     graphdef: Any
     state: Any
@@ -48,8 +52,64 @@ class _Shipped:
     checkpoints: Any
     checkpoint_every: int
     prefetch: int
+    check_finite: bool
+    array_metrics: bool
     step: int
-    queue: str
+    target_step: int
+    channel: str = dataclasses.field(default_factory=lambda: f"carlskit-fit-{uuid.uuid4().hex[:12]}")
+
+    def channel_of(self, client: Any) -> tuple[Any, Any]:
+        """The run's Dask ``Queue`` (records, worker to caller) and stop ``Event`` (caller to worker)."""
+        from distributed import Event, Queue
+
+        return Queue(self.channel, client=client), Event(f"{self.channel}-stop", client=client)
+
+
+@dataclasses.dataclass(frozen=True)
+class RemoteResult:
+    """What a fit on a worker returns: the new state and step, the records of its steps, where it
+    ran, the bank recoveries it made and its neighbour stage's missing count."""
+
+    state: Any
+    step: int
+    history: list
+    placement: dict
+    bank_recoveries: list
+    missing_neighbors: int | None
+
+
+def worker_placement(resumed_from: int) -> dict:
+    """This worker's address, :data:`PLACEMENT_FIELDS` and the step the fit resumed from."""
+    from distributed import get_worker
+
+    from carlskit.cluster import worker_devices
+
+    worker = get_worker()
+    devices = worker_devices(worker)
+    return {"worker": worker.address, **{k: devices[k] for k in PLACEMENT_FIELDS}, "resumed_from": resumed_from}
+
+
+def report_until_done(spec: RemoteFit, placement: dict, history: list, done: Callable[[], bool],
+                      request_stop: Callable[[], None]) -> None:
+    """On the worker, while a fit runs: send ``placement`` first, then the new records of
+    ``history`` every half second; pass a stop request on; return once ``done()`` and all is sent."""
+    from distributed import get_client
+
+    queue, stop = spec.channel_of(get_client())
+    queue.put({"placement": placement})  # first: the notebook's status shows where the fit runs
+    sent = 0
+    while True:
+        finished = done()
+        if not finished:
+            time.sleep(REPORT_SECONDS)
+        records = history[sent:]
+        if records:
+            queue.put(list(records))
+            sent += len(records)
+        if finished:
+            return
+        if stop.is_set():
+            request_stop()
 
 
 def trainer_candidates(client: Any, placement: Placement, accelerators_only: bool) -> list[str]:
@@ -69,99 +129,37 @@ def any_accelerator_worker(client: Any) -> bool:
     return any(is_accelerator(info.get("resources") or {}) for info in workers)
 
 
-def _fit_on_this_worker(shipped: _Shipped, data: Any, target_step: int) -> dict:
-    """The task: rebuild the trainer, adopt the shipped state (or a newer checkpoint), fit to
-    ``target_step`` while reporting records, and return the new state and what happened."""
-    from distributed import Event, Queue, get_client, get_worker
-    from flax import nnx
-
-    from carlskit.cluster import worker_devices
-    from carlskit.training._trainer import Trainer
-
-    worker = get_worker()
-    model, _ = nnx.merge(shipped.graphdef, nnx.State({0: shipped.state["model"], 1: shipped.state["optimizer"]}))
-    trainer = Trainer(model, shipped.optimizer, shipped.loss_fn, knowledge=shipped.knowledge,
-                      checkpoints=shipped.checkpoints, checkpoint_every=shipped.checkpoint_every,
-                      prefetch=shipped.prefetch)
-    if trainer.step <= shipped.step:  # a checkpoint newer than the shipped state: a rerun after a loss
-        trainer.adopt(shipped.state, shipped.step)
-    resumed_from = trainer.step
-    client = get_client()
-    queue, stop = Queue(shipped.queue, client=client), Event(f"{shipped.queue}-stop", client=client)
-    devices = worker_devices(worker)
-    placement = {"worker": worker.address, **{k: devices[k] for k in PLACEMENT_FIELDS}, "resumed_from": resumed_from}
-    queue.put({"placement": placement})  # first: the notebook's status shows where the fit runs
-    handle = trainer.fit(data, target_step - trainer.step, block=False, progress=False, live=False) \
-        if target_step > trainer.step else None
-    sent = 0
-    while True:  # report records every half second; pass a stop request on
-        if handle is not None and not handle.done:
-            time.sleep(REPORT_SECONDS)
-        records = trainer.history[sent:]
-        if records:
-            queue.put(records)
-            sent += len(records)
-        if handle is None or handle.done:
-            break
-        if stop.is_set():
-            handle.request_stop()
-    if handle is not None:
-        handle.wait()  # re-raises the fit's error
-    return {"state": jax.device_get(trainer.checkpoint_tree()), "step": trainer.step,
-            "history": trainer.history, "placement": placement, "bank_recoveries": trainer.bank_recoveries,
-            "missing_neighbors": getattr(trainer.knowledge, "missing_total", None)}
-
-
-def fit_on_worker(trainer: Any, client: Any, data: Any, steps: int, placement: Placement,
-                  policy: Any, stop: threading.Event, bar: Any, plot: Any) -> None:
-    """Run ``steps`` steps of ``trainer`` on a worker (blocking; ``Trainer.fit`` chose the thread)."""
-    from distributed import Event, Queue
-
-    trainer.sync()
-    start_step, target = trainer.step, trainer.step + steps
-    name = f"carlskit-fit-{uuid.uuid4().hex[:12]}"
-    queue, remote_stop = Queue(name, client=client), Event(f"{name}-stop", client=client)
-    shipped = _Shipped(trainer._graphdef, jax.device_get(trainer.checkpoint_tree()), trainer.optimizer_transform,
-                       trainer.loss_fn, trainer.knowledge, trainer.checkpoints, trainer.checkpoint_every,
-                       trainer.prefetch, start_step, name)
+def run_remote(task: Callable[[RemoteFit, Any], RemoteResult], spec: RemoteFit, client: Any, data: Any,
+               placement: Placement, policy: Any, stop: threading.Event, *,
+               on_records: Callable[[list[dict]], None], on_placement: Callable[[dict], None],
+               on_restart: Callable[[], None]) -> tuple[RemoteResult, dict[int, dict]]:
+    """Run ``task(spec, data)`` on a worker of ``placement`` (blocking), resubmitting it under
+    ``policy`` when the worker is lost (:func:`carlskit.cluster.retry_on_worker_loss`). Records
+    reach ``on_records`` once each, as they arrive; returns the task's result and every record
+    received, by step (the caller merges them)."""
+    queue, remote_stop = spec.channel_of(client)
     received: dict[int, dict] = {}
-    missing_before = getattr(trainer.knowledge, "missing_total", None)
     accelerators_only = not placement.restricted and any_accelerator_worker(client)
 
-    def attempt() -> dict:
+    def attempt() -> RemoteResult:
         candidates = trainer_candidates(client, placement, accelerators_only)
         if not candidates:
             raise NoWorkerError(f"no live worker matches the trainer's placement ({placement})")
         # Sent once per try, straight to the chosen workers (the model, its optimizer state and
         # the data's arrays can be tens of MB): not through the scheduler in the task graph.
-        parts = client.scatter([shipped, data], workers=candidates, hash=False)
-        future = client.submit(_fit_on_this_worker, *parts, target, workers=candidates,
-                               allow_other_workers=False, pure=False, key=f"{name}-{uuid.uuid4().hex[:6]}")
-        return _follow(trainer, client, future, candidates, queue, received, stop, remote_stop, bar, plot)
+        parts = client.scatter([spec, data], workers=candidates, hash=False)
+        future = client.submit(task, *parts, workers=candidates, allow_other_workers=False, pure=False,
+                               key=f"{spec.channel}-{uuid.uuid4().hex[:6]}")
+        return _follow(client, future, candidates, queue, received, stop, remote_stop, on_records, on_placement)
 
-    def count_restart(error: BaseException, delay: float) -> None:
-        trainer.remote_restarts += 1
-
-    try:  # a lost worker (by type) is retried under the trainer's policy; ServiceGaveUpError once spent
-        result = retry_on_worker_loss(attempt, policy=policy, what=f"training on a worker ({placement})",
-                                      on_retry=count_restart)
-    finally:
-        bar.close()
-    trainer.adopt(result["state"], result["step"])
-    for record in result["history"]:
-        received[record["step"]] = record
-    trainer.history[:] = [r for r in trainer.history if r["step"] <= start_step] + \
-        [received[step] for step in sorted(received) if start_step < step <= result["step"]]
-    trainer.bank_recoveries.extend(result["bank_recoveries"])
-    if missing_before is not None and result["missing_neighbors"] is not None:
-        trainer.knowledge.missing_total = missing_before + result["missing_neighbors"]
-    trainer.last_placement = result["placement"]
-    if plot is not None:
-        plot.update(trainer._series(), force=True)
+    # a lost worker (by type) is retried under the trainer's policy; ServiceGaveUpError once spent
+    result = retry_on_worker_loss(attempt, policy=policy, what=f"training on a worker ({placement})",
+                                  on_retry=lambda error, delay: on_restart())
+    return result, received
 
 
-def _follow(trainer, client, future, candidates, queue, received, stop, remote_stop, bar, plot) -> dict:
-    """Wait for the task, feeding its records to the bar, plot and summaries; return its result.
+def _follow(client, future, candidates, queue, received, stop, remote_stop, on_records, on_placement):
+    """Wait for the task, passing its new records to ``on_records``; return its result.
 
     Raises :class:`NoWorkerError` (a worker loss) when every worker it may run on is gone: Dask
     would keep such a task waiting for an address that never returns (a nanny restarts a worker
@@ -172,16 +170,12 @@ def _follow(trainer, client, future, candidates, queue, received, stop, remote_s
         finished = future.done()
         for batch in queue.get(batch=True):
             if isinstance(batch, dict):  # where this try runs, sent before its first record
-                trainer.last_placement = batch["placement"]
+                on_placement(batch["placement"])
                 continue
-            for record in batch:
-                if record["step"] not in received:
-                    trainer.history.append(record)
-                    trainer._log(record)
-                    step_done(bar, record["loss"])
-                received[record["step"]] = record
-        if plot is not None:
-            plot.update(trainer._series())
+            new = [record for record in batch if record["step"] not in received]
+            received.update((record["step"], record) for record in batch)
+            if new:
+                on_records(new)
         if finished:
             return future.result()
         if stop.is_set() and not remote_stop.is_set():

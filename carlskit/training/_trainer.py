@@ -21,7 +21,8 @@ import optax
 from flax import nnx
 
 from carlskit._checks import instance, positive_int
-from carlskit._notebook import in_notebook, progress_bar, step_done
+from carlskit._history import History
+from carlskit._notebook import LoopDisplay
 from carlskit._step import make_train_step
 from carlskit.bank import ShardLostError
 from carlskit.checkpoints import CheckpointStore
@@ -30,7 +31,7 @@ from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.training._embeddings import BankEmbeddings, bank_embeddings_of
 from carlskit.training._knowledge import with_bank_recovery
 from carlskit.training._pipeline import Batch, Prefetcher
-from carlskit.training._remote import fit_on_worker
+from carlskit.training._remote import RemoteFit, RemoteResult, report_until_done, run_remote, worker_placement
 
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -57,7 +58,7 @@ class FitHandle:
         """Ask training to stop after the current step; return at once."""
         self._stop.set()
 
-    def wait(self, timeout: float | None = None) -> list[dict]:
+    def wait(self, timeout: float | None = None) -> History:
         """Wait for the run to end; re-raise its error if it failed; return the history.
 
         Raises ``TimeoutError`` if it is still running after ``timeout`` seconds (the history so far
@@ -99,6 +100,16 @@ class Trainer:
         checkpoint and publishes a new one every ``checkpoint_every`` steps (version = step).
       summaries: optional writer with ``scalar(name, value, step)`` (e.g. ``SummaryWriter``).
       prefetch: batches prepared ahead of the step.
+      check_finite: check every step's loss and new state and commit only finite ones (one fused
+        reduction over the state per step). ``False`` commits every step, as optax does
+        (``MoEModel.fit`` trains this way).
+      array_metrics: let ``loss_fn``'s metrics be arrays (e.g. an MoE's expert load per layer and
+        expert), kept in the records as NumPy arrays and not written to ``summaries``; by default a
+        non-scalar metric is a ``ValueError``.
+
+    The state is replicated over this process's devices and batches split over them, unless the
+    model's parameters are already placed on a mesh of several devices (``MoEModel(mesh=...)``):
+    then state and batches keep the shardings the model and the data gave them.
     """
 
     def __init__(
@@ -112,6 +123,8 @@ class Trainer:
         checkpoint_every: int = 100,
         summaries: Any = None,
         prefetch: int = 2,
+        check_finite: bool = True,
+        array_metrics: bool = False,
     ):
         instance(model, "model", nnx.Module, "a flax.nnx.Module")
         instance(optimizer, "optimizer", optax.GradientTransformation, "an optax GradientTransformation")
@@ -139,6 +152,10 @@ class Trainer:
         if checkpoints is not None:
             instance(checkpoints, "checkpoints", CheckpointStore, "a CheckpointStore, a path or None")
         prefetch = positive_int(prefetch, "prefetch")
+        for name, flag in (("check_finite", check_finite), ("array_metrics", array_metrics)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
+        self.check_finite, self.array_metrics = check_finite, array_metrics
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.summaries = summaries
@@ -146,13 +163,14 @@ class Trainer:
         self.step = 0
         #: lost bank shards rebuilt during fits: {"shards", "seconds", "report"} per recovery
         self.bank_recoveries: list[dict] = []
-        self.history: list[dict] = []
+        #: one record per step (:class:`carlskit.History`), kept across fits
+        self.history = History()
         #: where the last ``fit(client=...)`` ran (or runs): worker, group, host, backend, devices,
         #: resources, and the checkpoint step it resumed from
         self.last_placement: dict | None = None
         self.remote_restarts = 0  # fits on a worker resubmitted after the worker was lost
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
-        self._mesh = _data_mesh()
+        self._mesh = None if _placed_on_a_mesh(self._state) else _data_mesh()
         if self._mesh is not None:
             self._state = jax.device_put(self._state,
                                          jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
@@ -168,9 +186,10 @@ class Trainer:
         loss_fn = self.loss_fn
 
         def checked_loss(model, batch):  # runs at trace time only: no cost per step
-            return _check_loss_output(loss_fn(model, batch))
+            return _check_loss_output(loss_fn(model, batch), self.array_metrics)
 
-        return make_train_step(self._graphdef, checked_loss, bank_rows=self.embeddings is not None)
+        return make_train_step(self._graphdef, checked_loss, check_finite=self.check_finite,
+                               bank_rows=self.embeddings is not None)
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
@@ -233,17 +252,21 @@ class Trainer:
         workers: list[str] | str | None = None,
         resources: dict[str, float] | None = None,
         restart_policy: Any = None,
-    ) -> list[dict] | FitHandle:
+        callback: Callable[[dict], None] | None = None,
+    ) -> History | FitHandle:
         """Train for ``steps`` steps on ``data`` (an iterable of batches or ``f(step) -> batch``).
 
         Shows a tqdm progress bar (labelled ``progress`` when it is a string, else "train"; on stderr
         outside notebooks) and, in a notebook (``live=None``), a live loss plot. With
         ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
-        Returns the history: one dict per step with ``step``, ``loss``, metrics and statistics.
+        Returns the history (:class:`carlskit.History`, the trainer's ``history``, kept across
+        fits): one dict per step with ``step``, ``loss``, metrics and statistics.
         Batches the pipeline prefetched but training did not reach are dropped at the end of a fit;
         an iterable that ends early ends the fit early (``len(history)`` tells how many steps ran).
         Raises ``ValueError`` when the store already holds a checkpoint newer than ``step`` (after
         ``restore`` of an older version), since this run could not publish its checkpoints there.
+        ``callback(record)``, if given, sees each step's record once it is in the history (in the
+        thread that trains, or follows a worker's records).
 
         With a Dask ``client``, the steps run on one of its workers (``workers=`` / ``resources=``,
         as :class:`carlskit.cluster.Placement`; by default an accelerator worker if there is one):
@@ -253,18 +276,21 @@ class Trainer:
         :mod:`carlskit.training._remote`).
         """
         steps, placement = self._check_fit(steps, client, workers, resources, restart_policy)
-        plot = self._show_live(in_notebook() if live is None else live)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"callback must be callable as callback(record), got {type(callback).__name__}")
         # Created here, in the calling thread: a notebook shows it in the cell that called fit, not in
         # whichever cell runs when a background fit's thread starts.
-        bar, final_bar = progress_bar(steps, progress if isinstance(progress, str) else "train", not progress)
-        self._final_frames = [final_bar] + ([plot.show_final_frame] if plot is not None else [])
+        display = LoopDisplay(self.history, steps, progress if isinstance(progress, str) else "train",
+                              progress=bool(progress), live=live, curves=("loss", "staleness"), title="Trainer",
+                              summaries=self.summaries, prefix="train/", callback=callback)
+        self._display = display
         stop = threading.Event()
         self._fitting = True
         if placement is None:
-            run_steps = functools.partial(self._fit, data, steps, stop, bar, plot)
+            run_steps = functools.partial(self._fit, data, steps, stop, display)
         else:
-            run_steps = functools.partial(fit_on_worker, self, client, data, steps, placement, restart_policy,
-                                          stop, bar, plot)
+            run_steps = functools.partial(self._fit_remotely, client, data, steps, placement, restart_policy,
+                                          stop, display)
         if block:
             try:
                 run_steps()
@@ -277,9 +303,9 @@ class Trainer:
     def show_final_frames(self) -> None:
         """In a notebook's main thread, after a fit: make the saved output of its progress bar and
         live plot show their last state (``fit`` and ``FitHandle.wait`` call this)."""
-        final_frames, self._final_frames = getattr(self, "_final_frames", []), []  # once per fit
-        for final_frame in final_frames:
-            final_frame()
+        display, self._display = getattr(self, "_display", None), None  # once per fit
+        if display is not None:
+            display.show_final_frames()
 
     def _check_fit(self, steps: Any, client: Any, workers: Any, resources: Any,
                    restart_policy: Any) -> tuple[int, Placement | None]:
@@ -302,24 +328,6 @@ class Trainer:
                              f"this trainer's step {self.step}: its checkpoints would go backwards; restore() "
                              f"the latest version or train into another store")
         return steps, placement
-
-    def _show_live(self, live: bool) -> Any:
-        """Display the live view (widgets imported only here); returns the ``LivePlot`` to update, if any."""
-        if not live:
-            return None
-        from IPython.display import display
-
-        logdir = getattr(self.summaries, "logdir", None)
-        if logdir is not None:  # the summaries' own live view, reading what the writer flushes
-            from carlskit.widgets import LiveSummaries
-
-            display(LiveSummaries(logdir, names=["train/loss", "train/staleness"]))
-            return None
-        from carlskit.widgets import LivePlot
-
-        plot = LivePlot("Trainer")
-        display(plot)  # from the calling thread; the training thread only sets values
-        return plot
 
     def _start_in_background(self, run_steps: Callable[[], None], stop: threading.Event) -> FitHandle:
         handle = None
@@ -344,14 +352,14 @@ class Trainer:
         iterator = iter(data)
         return lambda: next(iterator)
 
-    def _fit(self, data, steps: int, stop: threading.Event, bar: Any, plot: Any) -> None:  # a LivePlot or None
+    def _fit(self, data, steps: int, stop: threading.Event, display: LoopDisplay) -> None:
         if self.embeddings is not None:
             self.embeddings.begin()
         try:
             prefetcher = Prefetcher(self._source(data, self.step),
                                     with_bank_recovery(self.knowledge, self.bank_recoveries), self.prefetch)
         except BaseException:
-            bar.close()
+            display.close()
             raise
         try:
             for _ in range(steps):
@@ -362,23 +370,18 @@ class Trainer:
                     break
                 record = self._step_on(batch)
                 self.history.append(record)
-                self._log(record)
-                step_done(bar, record["loss"])
+                display.record(record)
                 if self.step % self.checkpoint_every == 0:
                     self.sync()
                     self.save_checkpoint()
-                if plot is not None:
-                    plot.update(self._series())
         finally:
             try:
                 if self.embeddings is not None:
                     self.embeddings.end()  # wakes a lookup waiting for gradients; every push acknowledged
             finally:
                 prefetcher.close()
-                bar.close()
                 self.sync()
-                if plot is not None:
-                    plot.update(self._series(), force=True)
+                display.close()
 
     def _next_batch(self, prefetcher: Prefetcher) -> Batch | None:
         """The next batch, None when the data ends; a lost bank shard that could not be rebuilt
@@ -410,7 +413,7 @@ class Trainer:
                        f"{error}") from error
         loss, finite, row_gradients = jax.device_get((loss, finite, row_gradients))  # the step's one host sync
         loss = float(loss)
-        if not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
+        if self.check_finite and not math.isfinite(loss):  # commit nothing: the model, step and checkpoints stay finite
             raise ValueError(f"loss_fn returned a non-finite loss ({loss}) at step {self.step + 1}; "
                              f"the step was not applied (the model is as after step {self.step})")
         if not finite:
@@ -423,7 +426,7 @@ class Trainer:
             self.embeddings.push(batch, row_gradients[0])
         self.step += 1
         record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
-                  **{k: float(v) for k, v in metrics.items()},
+                  **{k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in metrics.items()},
                   **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
         if "embedding_version" in record:  # knowledge read from the bank: how stale was it?
             record["staleness"] = record["step"] - 1 - record["embedding_version"]
@@ -441,19 +444,57 @@ class Trainer:
             for k, v in arrays.items()
         }
 
-    def _log(self, record: dict) -> None:
-        if self.summaries is None:
-            return
-        for name, value in record.items():
-            if name != "step":
-                self.summaries.scalar(f"train/{name}", value, record["step"])
+    # -- a fit on a Dask worker (the transport: carlskit.training._remote) ------------------------
+    def _remote_spec(self, steps: int) -> RemoteFit:
+        """What a worker needs to rebuild this trainer and fit it ``steps`` steps on."""
+        return RemoteFit(self._graphdef, jax.device_get(self.checkpoint_tree()), self.optimizer_transform,
+                         self.loss_fn, self.knowledge, self.checkpoints, self.checkpoint_every, self.prefetch,
+                         self.check_finite, self.array_metrics, self.step, self.step + steps)
 
-    def _series(self) -> dict:
-        steps = np.array([r["step"] for r in self.history])
-        series = {"loss": (steps, np.array([r["loss"] for r in self.history]))}
-        if self.history and "staleness" in self.history[-1]:
-            series["staleness"] = (steps, np.array([r.get("staleness", np.nan) for r in self.history]))
-        return series
+    def _fit_remotely(self, client: Any, data: Any, steps: int, placement: Placement, policy: Any,
+                      stop: threading.Event, display: LoopDisplay) -> None:
+        """Run ``steps`` steps on a worker (blocking; ``fit`` chose the thread), then adopt its result."""
+        self.sync()
+        spec = self._remote_spec(steps)
+        missing_before = getattr(self.knowledge, "missing_total", None)
+
+        def on_records(records: list[dict]) -> None:
+            for record in records:
+                self.history.append(record)
+                display.record(record)
+
+        def on_restart() -> None:
+            self.remote_restarts += 1
+
+        try:
+            result, received = run_remote(_fit_on_worker, spec, client, data, placement, policy, stop,
+                                          on_records=on_records, on_placement=self._placed, on_restart=on_restart)
+        finally:
+            display.bar.close()
+        self.adopt(result.state, result.step)
+        received.update((record["step"], record) for record in result.history)
+        self.history[:] = [r for r in self.history if r["step"] <= spec.step] + \
+            [received[step] for step in sorted(received) if spec.step < step <= result.step]
+        self.bank_recoveries.extend(result.bank_recoveries)
+        if missing_before is not None and result.missing_neighbors is not None:
+            self.knowledge.missing_total = missing_before + result.missing_neighbors
+        self.last_placement = result.placement
+        display.close()
+
+    def _placed(self, placement: dict) -> None:
+        self.last_placement = placement
+
+    @classmethod
+    def _from_spec(cls, spec: RemoteFit) -> Trainer:
+        """On the worker: the trainer rebuilt from ``spec``, at its state or at a newer checkpoint
+        of the shared store (a rerun after a lost worker resumes from there)."""
+        model, _ = nnx.merge(spec.graphdef, nnx.State({0: spec.state["model"], 1: spec.state["optimizer"]}))
+        trainer = cls(model, spec.optimizer, spec.loss_fn, knowledge=spec.knowledge, checkpoints=spec.checkpoints,
+                      checkpoint_every=spec.checkpoint_every, prefetch=spec.prefetch, check_finite=spec.check_finite,
+                      array_metrics=spec.array_metrics)
+        if trainer.step <= spec.step:
+            trainer.adopt(spec.state, spec.step)
+        return trainer
 
     def status(self) -> dict:
         """Step, whether a fit runs, where (this process, or the worker of a ``fit(client=...)``:
@@ -471,14 +512,15 @@ class Trainer:
         return fn(self.model)
 
 
-def _check_loss_output(output: Any) -> tuple[jax.Array, dict]:
-    """``loss_fn``'s ``(loss, metrics)``, checked: a scalar loss and a dict of scalar metrics."""
+def _check_loss_output(output: Any, array_metrics: bool = False) -> tuple[jax.Array, dict]:
+    """``loss_fn``'s ``(loss, metrics)``, checked: a scalar loss and a dict of scalar metrics
+    (of arrays too with ``array_metrics``)."""
     if not (isinstance(output, tuple) and len(output) == 2 and isinstance(output[1], dict)):
         raise TypeError(f"loss_fn must return (loss, metrics: dict), got {type(output).__name__}")
     loss, metrics = output
     if np.ndim(loss) != 0:
         raise ValueError(f"loss_fn must return a scalar loss, got shape {np.shape(loss)}")
-    shapes = {name: np.shape(value) for name, value in metrics.items() if np.ndim(value) != 0}
+    shapes = {} if array_metrics else {name: np.shape(value) for name, value in metrics.items() if np.ndim(value) != 0}
     if shapes:
         raise ValueError(f"loss_fn's metrics must be scalars, got shapes {shapes}")
     return loss, metrics
@@ -489,3 +531,25 @@ def _data_mesh() -> jax.sharding.Mesh | None:
     if len(devices) < 2:
         return None
     return jax.sharding.Mesh(np.array(devices), ("data",))
+
+
+def _fit_on_worker(spec: RemoteFit, data: Any) -> RemoteResult:
+    """The task a ``fit(client=...)`` submits: rebuild the trainer, fit it to ``spec.target_step``
+    while reporting its records, and return the new state and what happened."""
+    trainer = Trainer._from_spec(spec)
+    placement = worker_placement(resumed_from=trainer.step)
+    handle = trainer.fit(data, spec.target_step - trainer.step, block=False, progress=False, live=False) \
+        if spec.target_step > trainer.step else None
+    report_until_done(spec, placement, trainer.history, lambda: handle is None or handle.done,
+                      lambda: handle.request_stop())
+    if handle is not None:
+        handle.wait()  # re-raises the fit's error
+    return RemoteResult(jax.device_get(trainer.checkpoint_tree()), trainer.step, list(trainer.history), placement,
+                        trainer.bank_recoveries, getattr(trainer.knowledge, "missing_total", None))
+
+
+def _placed_on_a_mesh(state: Any) -> bool:
+    """Whether some array of ``state`` is already sharded over several devices (a model that
+    places its own parameters, e.g. an ``MoEModel`` with a mesh): the trainer keeps that placement."""
+    return any(isinstance(getattr(leaf, "sharding", None), jax.sharding.NamedSharding)
+               and len(leaf.sharding.device_set) > 1 for leaf in jax.tree.leaves(state))

@@ -45,11 +45,11 @@ DIM = 2
 KEYS = st.integers(1, 10)
 NUMBERS = st.sampled_from([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 8.0])
 GRADIENT_NUMBERS = st.one_of(NUMBERS, st.just(float("nan")))
-TABLES = {  # name: options (max_pending, ttl and the optimizer differ)
+TABLES = {  # name: options (max_pending, ttl, the optimizer and combine differ)
     "sgd": dict(optimizer="sgd", learning_rate=0.5, max_pending=3, pending_ttl_seconds=10.0,
                 outlier_threshold=3.0),
     "adagrad": dict(optimizer="adagrad", learning_rate=0.25, max_pending=4, pending_ttl_seconds=30.0,
-                    outlier_threshold=2.0, initial_accumulator_value=0.5, epsilon=1e-6),
+                    outlier_threshold=2.0, initial_accumulator_value=0.5, epsilon=1e-6, combine="sum"),
 }
 MAD_TO_STD = 1.4826
 
@@ -88,7 +88,9 @@ class TableModel:
             gradients = [g for g, n in zip(gradients, norms) if not n > limit]
         if not gradients:
             return
-        mean = (np.sum([g.astype(np.float64) for g in gradients], axis=0) / len(gradients)).astype(np.float32)
+        total = np.sum([g.astype(np.float64) for g in gradients], axis=0)
+        divisor = len(gradients) if self.options.get("combine", "mean") == "mean" else 1
+        mean = (total / divisor).astype(np.float32)
         rate = np.float32(self.options["learning_rate"])
         if self.options["optimizer"] == "sgd":
             row.value = row.value - rate * mean

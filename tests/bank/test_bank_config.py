@@ -37,6 +37,7 @@ def test_a_table_config_round_trips_through_strict_json():
 @pytest.mark.parametrize("options, error, named", [
     ({"lerning_rate": 0.1}, TypeError, "lerning_rate"),  # unknown option
     ({"optimizer": "adam"}, ValueError, "optimizer"),
+    ({"combine": "median"}, ValueError, "combine"),
     ({"hnsw_m": 1}, ValueError, "hnsw_m"),
     ({"max_pending": 2.5}, TypeError, "max_pending"),
     ({"pending_ttl_seconds": float("nan")}, ValueError, "pending_ttl_seconds"),
@@ -58,8 +59,8 @@ def test_snapshots_keep_the_manifest_format_and_old_ones_load(tmp_path):
     kb.save(tmp_path / "snap")
     manifest = tmp_path / "snap" / "manifest.json"
     content = json.loads(manifest.read_text())["content"]
-    # the old format plus the admission/eviction options, which old manifests lack (defaults then)
-    new_options = {"min_count": 1, "max_idle_seconds": "inf", "max_rows_per_shard": None}
+    # the old format plus the admission/eviction options and combine, which old manifests lack (defaults then)
+    new_options = {"min_count": 1, "max_idle_seconds": "inf", "max_rows_per_shard": None, "combine": "mean"}
     assert {t["name"]: t["config"] for t in content["tables"]} == {
         **OLD_MANIFEST_CONFIGS, "emb": {**OLD_MANIFEST_CONFIGS["emb"], **new_options}}
     for table in content["tables"]:  # as the old code wrote them (key order included)

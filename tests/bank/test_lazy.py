@@ -1,6 +1,7 @@
-"""The lazy averaged update rule as pure functions, against hand-computed values."""
+"""The lazy update rule (mean or sum) as pure functions, against hand-computed values."""
 
 import numpy as np
+import pytest
 
 from carlskit.bank import adagrad_step, combine_gradients, sgd_step
 
@@ -9,16 +10,30 @@ def test_average_per_key():
     grads = np.array([[1, 0], [3, 2], [5, 5]], np.float32)
     out = combine_gradients(grads, np.array([0, 0, 1]), 2)
     np.testing.assert_array_equal(out.group_index, [0, 1])
-    np.testing.assert_allclose(out.mean_gradient, [[2, 1], [5, 5]])
+    np.testing.assert_allclose(out.gradient, [[2, 1], [5, 5]])
     np.testing.assert_array_equal(out.count, [2, 1])
     assert out.dropped_nonfinite == 0 and out.dropped_outliers == 0
+
+
+def test_sum_per_key():
+    # combine="sum": key 0 [1+3, 0+2], key 1 alone; with outliers: norms 1, 2, 3, 100 -> 100 dropped
+    grads = np.array([[1, 0], [3, 2], [5, 5]], np.float32)
+    out = combine_gradients(grads, np.array([0, 0, 1]), 2, combine="sum")
+    np.testing.assert_allclose(out.gradient, [[4, 2], [5, 5]])
+    np.testing.assert_array_equal(out.count, [2, 1])
+    grads = np.array([[1, 0], [0, 2], [3, 0], [0, 100]], np.float32)
+    out = combine_gradients(grads, np.zeros(4, np.int64), 1, combine="sum")
+    assert out.dropped_outliers == 1
+    np.testing.assert_allclose(out.gradient, [[4, 2]])
+    with pytest.raises(ValueError, match="combine"):
+        combine_gradients(grads, np.zeros(4, np.int64), 1, combine="median")
 
 
 def test_nonfinite_dropped_and_counted():
     grads = np.array([[1, 1], [np.nan, 0], [3, 3], [np.inf, 1]], np.float32)
     out = combine_gradients(grads, np.array([0, 0, 0, 1]), 2)
     np.testing.assert_array_equal(out.group_index, [0])  # key 1 had only an Inf gradient
-    np.testing.assert_allclose(out.mean_gradient, [[2, 2]])
+    np.testing.assert_allclose(out.gradient, [[2, 2]])
     assert out.dropped_nonfinite == 2
 
 
@@ -28,18 +43,18 @@ def test_outlier_by_median_and_mad():
     grads = np.array([[1, 0], [0, 2], [3, 0], [0, 100]], np.float32)
     out = combine_gradients(grads, np.zeros(4, np.int64), 1, outlier_threshold=3.0)
     assert out.dropped_outliers == 1
-    np.testing.assert_allclose(out.mean_gradient, [[4 / 3, 2 / 3]], rtol=1e-6)
+    np.testing.assert_allclose(out.gradient, [[4 / 3, 2 / 3]], rtol=1e-6)
     # a lower threshold (limit 2.5 + 0.2 * 1.4826 = 2.797) also drops the norm-3 gradient
     out = combine_gradients(grads, np.zeros(4, np.int64), 1, outlier_threshold=0.2)
     assert out.dropped_outliers == 2
-    np.testing.assert_allclose(out.mean_gradient, [[0.5, 1.0]])
+    np.testing.assert_allclose(out.gradient, [[0.5, 1.0]])
 
 
 def test_no_outlier_rule_below_three_gradients():
     grads = np.array([[1, 0], [0, 100]], np.float32)
     out = combine_gradients(grads, np.zeros(2, np.int64), 1)
     assert out.dropped_outliers == 0
-    np.testing.assert_allclose(out.mean_gradient, [[0.5, 50]])
+    np.testing.assert_allclose(out.gradient, [[0.5, 50]])
 
 
 def test_optimizer_steps():
@@ -73,5 +88,5 @@ def test_matches_a_per_key_loop_on_random_groups():
             expected[key] = g.mean(0)
     assert out.dropped_outliers == dropped and out.dropped_nonfinite == 20
     assert list(out.group_index) == sorted(expected)
-    np.testing.assert_allclose(out.mean_gradient, np.stack([expected[k] for k in sorted(expected)]),
+    np.testing.assert_allclose(out.gradient, np.stack([expected[k] for k in sorted(expected)]),
                                rtol=1e-5, atol=1e-6)

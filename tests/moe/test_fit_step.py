@@ -34,7 +34,7 @@ def test_fit_and_the_trainer_give_the_same_losses_and_parameters():
     trained = model()
     records = Trainer(trained, optax.adam(1e-2), loss_fn).fit(batch_at, STEPS, progress=False, live=False)
 
-    np.testing.assert_allclose([r["loss"] for r in records], history["loss"], rtol=1e-6)
-    np.testing.assert_allclose([r["cross_entropy"] for r in records], history["cross_entropy"], rtol=1e-6)
+    np.testing.assert_allclose([r["loss"] for r in records], history.column("loss"), rtol=1e-6)
+    np.testing.assert_allclose([r["cross_entropy"] for r in records], history.column("cross_entropy"), rtol=1e-6)
     for a, b in zip(jax.tree.leaves(nnx.state(fitted)), jax.tree.leaves(nnx.state(trained))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)

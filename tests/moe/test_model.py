@@ -41,7 +41,8 @@ def test_fit_lowers_loss_then_evaluate_and_generate():
     history = model.fit(data, steps=40, batch_size=32, learning_rate=1e-2)
     after = model.evaluate(data, batch_size=32)
     assert after["cross_entropy"] < 0.5 * before
-    assert len(history["loss"]) == 40 and np.asarray(history["expert_load"]).shape == (40, 1, 4)
+    assert len(history) == 40 and history.column("expert_load").shape == (40, 1, 4)
+    assert [r["step"] for r in history] == list(range(1, 41))
     out = model.generate(data[:2, :4], 4)
     assert out.shape == (2, 8) and np.array_equal(out[:, :4], data[:2, :4])
     assert np.mean(out[:, 4:] == data[:2, 4:8]) > 0.5  # learned to continue the sequence

@@ -96,8 +96,8 @@ def test_bfloat16_training_keeps_float32_master_weights_and_tracks_float32():
     histories = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         model = tiny(dtype=dtype, second_expert_policy="random", seed=2)
-        histories[dtype] = np.asarray(model.fit(data, steps=30, batch_size=16, learning_rate=1e-2,
-                                                seed=0)["cross_entropy"])
+        histories[dtype] = model.fit(data, steps=30, batch_size=16, learning_rate=1e-2,
+                                     seed=0).column("cross_entropy")
         assert all(leaf.dtype == jnp.float32 for leaf in jax.tree.leaves(nnx.state(model, nnx.Param)))
     logits, routings = model(jnp.asarray(data[:2, :-1]))
     assert logits.dtype == jnp.float32 and routings[0].slot_weight.dtype == jnp.bfloat16

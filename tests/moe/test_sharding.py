@@ -79,7 +79,7 @@ BFLOAT16_SCRIPT = textwrap.dedent(
         model = MoEModel(32, 2, 16, 2, 8, max_length=8, mesh=mesh, dtype=dtype, pad_id=31, seed=1)
         history = model.fit(text, steps=8, batch_size=8, learning_rate=1e-2, seed=0)
         kinds = sorted({str(leaf.dtype) for leaf in jax.tree.leaves(nnx.state(model, nnx.Param))})
-        return [float(v) for v in history["cross_entropy"]], kinds
+        return [float(v) for v in history.column("cross_entropy")], kinds
 
     result = {}
     result["float32"], _ = train(None, jnp.float32)

@@ -61,7 +61,7 @@ def test_cached_decoding_equals_uncached_token_for_token(decoded):
 
 def test_training_translates_what_an_untrained_model_cannot(decoded, pairs):
     history, outputs, untrained = decoded
-    assert history["cross_entropy"][-1] < 0.5 * history["cross_entropy"][0]
+    assert history[-1]["cross_entropy"] < 0.5 * history[0]["cross_entropy"]
     english = [en for en, _ in pairs]
 
     def score(ids):

@@ -1,5 +1,6 @@
-"""Two trainers on one bank table: the lazy averaged update combines their gradients as the rule in
-``carlskit.bank`` says, computed here by hand; immediate SGD (max_pending=1) adds them instead."""
+"""Two trainers on one bank table: the lazy update combines their gradients as the rule in
+``carlskit.bank`` says (averaged, or summed with ``combine="sum"``), computed here by hand; immediate
+SGD (max_pending=1) applies each on arrival, which SGD's summed lazy update equals."""
 
 import threading
 
@@ -41,16 +42,18 @@ BATCH_A = {"ids": np.array([0, 0, 1]), "c": np.array([[1.0, 2.0], [3.0, 4.0], [5
 BATCH_B = {"ids": np.array([0, 2]), "c": np.array([[-2.0, 0.0], [1.0, 1.0]], np.float32)}
 
 
-@pytest.mark.parametrize("max_pending, expected", [
+@pytest.mark.parametrize("max_pending, combine, expected", [
     # lazy: key 0 got g_A = [1+3, 2+4] = [4, 6] and g_B = [-2, 0], averaged: [1, 3]; v = 0 - 0.5 * [1, 3]
-    (16, {0: [-0.5, -1.5], 1: [-2.5, -3.0], 2: [-0.5, -0.5]}),
+    (16, "mean", {0: [-0.5, -1.5], 1: [-2.5, -3.0], 2: [-0.5, -0.5]}),
+    # lazy summed: g = [4, 6] + [-2, 0] = [2, 6] in one step; v = 0 - 0.5 * [2, 6]
+    (16, "sum", {0: [-1.0, -3.0], 1: [-2.5, -3.0], 2: [-0.5, -0.5]}),
     # immediate SGD: each gradient applied when it arrives: v = 0 - 0.5 * [4, 6] - 0.5 * [-2, 0]
-    (1, {0: [-1.0, -3.0], 1: [-2.5, -3.0], 2: [-0.5, -0.5]}),
+    (1, "mean", {0: [-1.0, -3.0], 1: [-2.5, -3.0], 2: [-0.5, -0.5]}),
 ])
-def test_two_trainers_lazy_average_matches_the_rule_by_hand(max_pending, expected):
+def test_two_trainers_lazy_rule_matches_it_by_hand(max_pending, combine, expected):
     bank = KnowledgeBank()
     bank.create_table("t", 2, initializer="zeros", learning_rate=0.5, max_pending=max_pending,
-                      pending_ttl_seconds=float("inf"))
+                      pending_ttl_seconds=float("inf"), combine=combine)
     barrier = threading.Barrier(2)
     trainers = [Trainer(Rows(), optax.sgd(0.0), weighted_sum, knowledge=BothLookedUp(bank, barrier))
                 for _ in range(2)]

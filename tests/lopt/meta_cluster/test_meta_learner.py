@@ -273,3 +273,40 @@ def test_service_placements_take_a_default_and_per_role_overrides_by_name():
         service_placements(None, None, {"es_workers": 3})
     with pytest.raises(ValueError, match=r"resources\['GPU'\] must be a (finite )?number > 0"):
         service_placements(None, {"GPU": 0}, None)
+
+
+def test_per_family_loss_and_gradient_variance_are_summarised_and_read_back(tmp_path):
+    from carlskit.summaries import SummaryReader
+
+    store = GradientStore()
+    learner = make_learner(tmp_path, store, logdir=str(tmp_path / "logs"), max_staleness=10)
+    rng = np.random.default_rng(0)
+    sent = {"quad": [], "mlp/digits": []}
+    for step in range(3):
+        batch = []
+        for family, scale, loss in (("quad", 0.1, 1.0 + step), ("mlp/digits", 10.0, 5.0)):
+            grad = [rng.normal(0, scale, np.shape(x)).astype(np.float32) for x in learner.current()[1]]
+            sent[family].append((np.concatenate([g.ravel() for g in grad]), loss))
+            batch.append(record(step, grad, family, loss=loss))
+        store.put_many(batch)
+        learner.update()
+    learner.close()
+    rows = {row["task_family"]: row for row in learner.status()["families"]}
+    reader = SummaryReader(str(tmp_path / "logs"))
+    for family, values in sent.items():
+        grads, losses = np.stack([g for g, _ in values]), [loss for _, loss in values]
+        variance = float(np.var(grads, axis=0, ddof=1).mean())
+        np.testing.assert_allclose(rows[family]["grad_variance"], variance, rtol=1e-5)
+        assert rows[family]["loss_all"] == pytest.approx(np.mean(losses))
+        assert rows[family]["loss_latest"] == losses[-1] and rows[family]["count"] == 3
+        label = family.replace("/", "|")
+        assert list(reader.scalars(f"family/{label}/loss_all")["value"]) == pytest.approx(
+            [np.mean(losses[:k]) for k in (1, 2, 3)])
+        assert list(reader.scalars(f"family/{label}/loss_latest")["step"]) == [1, 2, 3]
+        logged = reader.scalars(f"family/{label}/grad_variance")["value"].to_numpy()
+        assert logged[-1] == pytest.approx(variance, rel=1e-5)
+    # The noisy family stands out: its gradient variance is 10^4 x the quiet one's.
+    assert rows["mlp/digits"]["grad_variance"] > 1e3 * rows["quad"]["grad_variance"]
+    # A learner resumed from the checkpoint continues the figures.
+    resumed = make_learner(tmp_path, GradientStore())
+    assert {r["task_family"]: r for r in resumed.status()["families"]}["quad"]["count"] == 3
