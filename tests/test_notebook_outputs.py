@@ -111,3 +111,15 @@ def test_jupyterlab_saves_notebooks_without_outputs_and_keeps_a_copy_with_them(t
     assert (tmp_path / "00.ipynb").read_text(encoding="utf-8") == committed, "saved exactly as committed"
     executed = nbformat.read(tmp_path / "executed" / "00.ipynb", as_version=4)
     assert any(cell.get("outputs") for cell in executed.cells), "the copy keeps the outputs"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_what_jupyter_writes_for_a_committed_notebook_is_the_committed_notebook(path):
+    """JupyterLab's save: nbformat writes the notebook (a source as its list of lines), then make lab's
+    pre-save hook strips it (tools/jupyter_server_config.py); the bytes must come back unchanged
+    (04 once stored sources as single strings: every save rewrote it)."""
+    import nbformat
+
+    text = path.read_text(encoding="utf-8")
+    written = nbformat.writes(nbformat.reads(text, as_version=4)) + "\n"
+    assert _strip(written) == text

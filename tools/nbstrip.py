@@ -7,7 +7,8 @@ Reads a notebook on stdin, writes it on stdout with every code cell's outputs an
 cleared and run-specific metadata (execution timings, widget state) dropped, in the layout Jupyter
 itself writes (sorted keys, one-space indent, trailing newline), so a committed notebook passes
 through unchanged. What a plain save in JupyterLab adds to an unchanged notebook is normalised too:
-the kernel's display name (``Python 3`` or ``Python 3 (ipykernel)``: one name), the kernel's
+a cell's source as one string (Jupyter writes its list of lines), the kernel's display name
+(``Python 3`` or ``Python 3 (ipykernel)``: one name), the kernel's
 ``language_info`` block (the interpreter's version: it differs per machine) and a cell id for a cell
 that has none (JupyterLab invents a random one). Standard library only: git runs it with any Python 3.
 """
@@ -33,6 +34,8 @@ def strip(notebook: dict) -> dict:
                 suffix += len(notebook["cells"])
             cell["id"] = f"cell-{suffix}"
             taken.add(cell["id"])
+        if isinstance(cell.get("source"), str):  # Jupyter writes a source as its list of lines (nbformat's split_lines)
+            cell["source"] = cell["source"].splitlines(True)
         if cell.get("cell_type") == "code":
             cell["outputs"] = []
             cell["execution_count"] = None
