@@ -154,7 +154,9 @@ class _Hasher:
 
     def hexdigest(self) -> str:
         self.wait()
-        self._pool.shutdown()
+        # every chunk is hashed (wait() returned): nothing to join. Joining the idle helper was seen
+        # to hang inside a Dask worker's actor thread (CPython's thread-state lock never released)
+        self._pool.shutdown(wait=False)
         return self.digest.hexdigest()
 
 
