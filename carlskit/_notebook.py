@@ -126,7 +126,7 @@ class LoopDisplay:
             step_done(self.bar, None)
         if self.summaries is not None:
             for name, value in record.items():
-                if name != "step" and np.ndim(value) == 0:
+                if name not in ("step", "wall_time") and np.ndim(value) == 0:
                     self.summaries.scalar(f"{self.prefix}{name}", value, record["step"])
         self._records += 1
         if self.plot_every is None:

@@ -260,7 +260,9 @@ class Trainer:
         outside notebooks) and, in a notebook (``live=None``), a live loss plot. With
         ``block=False`` training runs in a background thread and a :class:`FitHandle` is returned.
         Returns the history (:class:`carlskit.History`, the trainer's ``history``, kept across
-        fits): one dict per step with ``step``, ``loss``, metrics and statistics.
+        fits): one dict per step with ``step``, ``loss``, metrics and statistics, ``step_seconds``
+        (the step's own time) and ``wall_time`` (``time.time()`` when it ended; not written to the
+        summaries).
         Batches the pipeline prefetched but training did not reach are dropped at the end of a fit;
         an iterable that ends early ends the fit early (``len(history)`` tells how many steps ran).
         Raises ``ValueError`` when the store already holds a checkpoint newer than ``step`` (after
@@ -427,6 +429,7 @@ class Trainer:
             self.embeddings.push(batch, row_gradients[0])
         self.step += 1
         record = {"step": self.step, "loss": loss, "step_seconds": time.perf_counter() - start,
+                  "wall_time": time.time(),  # when the step ended (throughput across processes)
                   **{k: float(v) if np.ndim(v) == 0 else np.asarray(v) for k, v in metrics.items()},
                   **{k: float(v) for k, v in statistics.items() if np.ndim(v) == 0}}
         if "embedding_version" in record:  # knowledge read from the bank: how stale was it?

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import jax.numpy as jnp
 import numpy as np
@@ -30,8 +31,11 @@ def data(step):
 def test_fit_learns_checkpoints_and_resumes(tmp_path):
     store = CheckpointStore(tmp_path / "ckpt", keep=3)
     trainer = Trainer(Linear(), optax.adam(0.1), mse, checkpoints=store, checkpoint_every=25)
+    before = time.time()
     history = trainer.fit(data, 100, progress=False)
     assert len(history) == 100 and history[-1]["step"] == 100
+    ends = [r["wall_time"] for r in history]  # when each step ended: throughput from the records alone
+    assert before <= ends[0] and np.all(np.diff(ends) >= 0) and ends[-1] <= time.time()
     assert history[-1]["loss"] < 0.01 * history[0]["loss"]
     assert "max_error" in history[-1]
     assert store.versions() == [50, 75, 100]
