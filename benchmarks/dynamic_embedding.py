@@ -5,15 +5,18 @@ in-device ``nnx.Embed``, with one and two trainers, and with a table 100x larger
   included) of the skip-gram model of ``carlskit.paradigms.node_embeddings`` with both tables in the
   bank over the same model with two ``nnx.Embed`` of the same rows trained by optax (Adagrad both),
   100k rows of dim 64, batches of 4096 pairs with 5 negatives (ids drawn with a Zipf-like skew).
-- ``two_trainers_over_one``: samples per second of 2 trainers (each on its own Dask worker, sharing
-  the bank's tables) over 1 trainer on one worker, same steps per trainer; wall time of the fits
-  (each fit ships the trainer to its worker and compiles there: both configurations pay it).
+- ``two_trainers_over_one``: samples per second of 2 trainers, each on its own Dask worker that
+  also holds one of the bank's 2 shards, over 1 trainer on one worker holding both shards; every
+  worker process pinned to one core of its own and single-threaded, so each trainer brings one core
+  (weak scaling). Steady state: the samples of the steps that ended between step 30 and the first
+  trainer's last step, by the records' ``wall_time`` (process start, shipping, compilation and
+  first lookups excluded); median of 3 interleaved rounds of 150 steps per trainer.
 - ``step_10m_over_100k``: the wall time per step with a 10,000,000-row table over a 100,000-row
   table (dim 32, ids uniform over the table, the rows written first, one trainer in-process).
 - ``bytes_per_row_ratio``: the bank's resident bytes per row (values, Adagrad accumulator, per-row
   metadata, key map) over the raw float32 row plus its optimizer state (2 * 4 * dim), dim 64.
 
-    python benchmarks/dynamic_embedding.py [--small]
+    python benchmarks/dynamic_embedding.py [--small] [--skip-cluster | --only-cluster]
 Last line: one JSON object with those keys and the times behind them.
 """
 
@@ -118,42 +121,77 @@ def large_over_small(small_rows: int, large_rows: int, steps: int) -> dict:
             "step_10m_over_100k": out[large_rows] / out[small_rows]}
 
 
-def trainers_scaling(rows: int, steps: int) -> dict:
+def pin_to_core(core: int) -> list[int]:
+    """Pin every thread of this process to ``core`` (threads started later inherit it): a worker
+    process then has one core's worth of CPU, whatever threads XLA, NumPy or Dask start."""
+    threads = [int(t) for t in os.listdir("/proc/self/task")]
+    for thread in threads:
+        try:
+            os.sched_setaffinity(thread, {core})
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return sorted(os.sched_getaffinity(0))
+
+
+def steady_samples_per_second(trainers: list[Trainer], warmup: int) -> float:
+    """Samples per second of ``trainers`` together, from their records' ``wall_time``: the steps
+    that ended inside the window where all were past step ``warmup`` and none had finished (process
+    start, shipping, compilation and the first lookups are outside it)."""
+    start = max(t.history[warmup - 1]["wall_time"] for t in trainers)
+    end = min(t.history[-1]["wall_time"] for t in trainers)
+    if end <= start:
+        raise RuntimeError("the trainers' steady states did not overlap: give them more steps")
+    steps = sum(sum(start < r["wall_time"] <= end for r in t.history) for t in trainers)
+    return steps * BATCH / (end - start)
+
+
+def trainers_scaling(rows: int, steps: int, rounds: int, warmup: int) -> dict:
+    """One trainer on one worker (holding both bank shards) against two trainers on two workers
+    (a shard each), every worker process pinned to a core of its own (``pin_to_core``) and
+    single-threaded (``threads_per_worker=1``: XLA without its Eigen thread pool, OpenMP/BLAS 1):
+    each trainer brings one core. Interleaved rounds, steady-state samples/s, median."""
     from carlskit.cluster import connect
 
     client = connect(n_workers=2, threads_per_worker=1)
     try:
-        bank = KnowledgeBank(client, num_shards=2)
-        seconds = {}
-        for count in (1, 2):
-            trainers = [bank_trainer(bank, rows) for _ in range(count)]
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-            start = time.perf_counter()
-            handles = [t.fit(Batches(rows, 10 + i), steps, client=client, workers=[w], block=False, progress=False,
-                             live=False) for i, (t, w) in enumerate(zip(trainers, workers))]
-            for handle in handles:
-                handle.wait()
-            seconds[count] = time.perf_counter() - start
-        bank.close()
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = {w: client.run(pin_to_core, cores[i % len(cores)], workers=[w])[w] for i, w in enumerate(workers)}
+        flags = set(client.run(lambda: os.environ.get("XLA_FLAGS", "")).values())
+        rates: dict[int, list[float]] = {1: [], 2: []}
+        for _ in range(rounds):
+            for count in (1, 2):
+                bank = KnowledgeBank(client, num_shards=2, workers=workers[:count])
+                trainers = [bank_trainer(bank, rows) for _ in range(count)]
+                handles = [t.fit(Batches(rows, 10 + i), steps, client=client, workers=[w], block=False,
+                                 progress=False, live=False) for i, (t, w) in enumerate(zip(trainers, workers))]
+                for handle in handles:
+                    handle.wait()
+                rates[count].append(steady_samples_per_second(trainers, warmup))
+                bank.close()
     finally:
         client.close()
-    one, two = steps * BATCH / seconds[1], 2 * steps * BATCH / seconds[2]
-    return {"samples_per_second_1": one, "samples_per_second_2": two, "two_trainers_over_one": two / one}
+    one, two = float(np.median(rates[1])), float(np.median(rates[2]))
+    return {"samples_per_second_1": one, "samples_per_second_2": two, "two_trainers_over_one": two / one,
+            "scaling_rounds": {str(k): v for k, v in rates.items()}, "worker_cores": pinned,
+            "worker_xla_flags": sorted(flags)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", help="tiny sizes: checks the script runs")
     parser.add_argument("--skip-cluster", action="store_true", help="no Dask workers (two_trainers_over_one)")
+    parser.add_argument("--only-cluster", action="store_true", help="only two_trainers_over_one")
     args = parser.parse_args()
     small = args.small or os.environ.get("CARLSKIT_SMALL") == "1"
     rows = 2_000 if small else 100_000
     result = {"rows": rows, "dim": DIM, "batch": BATCH, "negatives": NEGATIVES, "small": small,
               "devices": [d.device_kind for d in jax.devices()], "load": os.getloadavg()}
-    result.update(bank_vs_nnx(rows, 5 if small else 30, 1 if small else 3))
-    result.update(large_over_small(rows, 20_000 if small else 10_000_000, 5 if small else 30))
+    if not args.only_cluster:
+        result.update(bank_vs_nnx(rows, 5 if small else 30, 1 if small else 3))
+        result.update(large_over_small(rows, 20_000 if small else 10_000_000, 5 if small else 30))
     if not args.skip_cluster:
-        result.update(trainers_scaling(rows, 5 if small else 100))
+        result.update(trainers_scaling(rows, 40 if small else 150, 1 if small else 3, 5 if small else 30))
     print(json.dumps(result), flush=True)
 
 
