@@ -75,10 +75,16 @@ def combine_gradients(
     """
     if combine not in COMBINES:
         raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
-    finite = np.isfinite(gradients).all(axis=1)
-    dropped_nonfinite = int(len(finite) - finite.sum())
-    if dropped_nonfinite:
-        gradients, groups = gradients[finite], groups[finite]
+    dropped_nonfinite = 0
+    # a row's sum is finite only if every entry is (overflow aside): one pass, no [n, dim] mask
+    with np.errstate(invalid="ignore", over="ignore"):  # inf + -inf: NaN, which is the point
+        suspect = np.flatnonzero(~np.isfinite(np.add.reduce(gradients, axis=1, dtype=np.float64)))
+    if len(suspect):
+        finite = np.ones(len(gradients), bool)
+        finite[suspect] = np.isfinite(gradients[suspect]).all(axis=1)
+        dropped_nonfinite = int(len(finite) - finite.sum())
+        if dropped_nonfinite:
+            gradients, groups = gradients[finite], groups[finite]
     counts = np.bincount(groups, minlength=num_groups)
     dropped_outliers = 0
     if len(groups) and counts.max() >= 3:
@@ -96,6 +102,9 @@ def combine_gradients(
             gradients, groups = gradients[keep], groups[keep]
             counts = np.bincount(groups, minlength=num_groups)
     group_index = np.flatnonzero(counts)
+    if len(groups) and (groups[1:] > groups[:-1]).all():  # one gradient per key, in key order: as is
+        return CombinedGradients(group_index, gradients.astype(np.float32, copy=False), counts[group_index],
+                                 dropped_nonfinite, dropped_outliers)
     order = np.argsort(groups, kind="stable")
     sorted_gradients = gradients[order]
     group_counts = counts[group_index]
@@ -130,7 +139,13 @@ def adagrad_step(
     values: np.ndarray, accumulator: np.ndarray, gradient: np.ndarray, learning_rate: float,
     epsilon: float,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """a <- a + g**2; v <- v - lr * g / sqrt(a + eps) (Duchi et al. 2011). Returns (v, a)."""
-    accumulator = accumulator + gradient * gradient
-    values = values - np.float32(learning_rate) * gradient / np.sqrt(accumulator + np.float32(epsilon))
-    return values, accumulator
+    """a <- a + g**2; v <- v - lr * g / sqrt(a + eps) (Duchi et al. 2011). Returns (v, a), new
+    arrays (two allocations: the update runs in place in them, not in one temporary per term)."""
+    new_accumulator = np.multiply(gradient, gradient, dtype=np.float32)
+    new_accumulator += accumulator
+    step = np.add(new_accumulator, np.float32(epsilon))
+    np.sqrt(step, out=step)
+    np.divide(gradient, step, out=step)
+    step *= np.float32(learning_rate)
+    np.subtract(values, step, out=step)
+    return step, new_accumulator

@@ -90,3 +90,27 @@ def test_matches_a_per_key_loop_on_random_groups():
     assert list(out.group_index) == sorted(expected)
     np.testing.assert_allclose(out.gradient, np.stack([expected[k] for k in sorted(expected)]),
                                rtol=1e-5, atol=1e-6)
+
+
+def test_one_gradient_per_key_in_key_order_passes_through_and_still_drops_nonfinite():
+    # the common case (one trainer: each looked-up row cached one gradient): no reordering, no copy
+    grads = np.array([[1, 2], [np.inf, -np.inf], [5, 6], [7, np.nan]], np.float32)
+    out = combine_gradients(grads, np.array([0, 2, 3, 5]), 6, combine="sum")
+    np.testing.assert_array_equal(out.group_index, [0, 3])
+    np.testing.assert_array_equal(out.gradient, [[1, 2], [5, 6]])
+    np.testing.assert_array_equal(out.count, [1, 1])
+    assert out.dropped_nonfinite == 2
+    huge = np.full((1, 64), 3e38, np.float32)  # finite rows whose float32 sum would overflow
+    assert combine_gradients(huge, np.array([0]), 1).dropped_nonfinite == 0
+
+
+def test_lookup_repeating_a_key_applies_its_cached_gradients_once():
+    from carlskit.bank import KnowledgeBank
+
+    bank = KnowledgeBank()
+    bank.create_table("t", 2, initializer="zeros", optimizer="sgd", learning_rate=1.0, max_pending=4)
+    bank.lookup("t", np.arange(4), insert_missing=True)
+    bank.apply_gradients("t", np.array([1, 3]), np.array([[1, 1], [2, 2]], np.float32))
+    values, _ = bank.lookup("t", np.array([3, 1, 3, 3, 0, 1]))
+    np.testing.assert_array_equal(values, [[-2, -2], [-1, -1], [-2, -2], [-2, -2], [0, 0], [-1, -1]])
+    assert bank.stats()["tables"]["t"]["optimizer_steps"] == 2
