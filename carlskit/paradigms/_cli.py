@@ -142,6 +142,9 @@ def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
         parser.add_argument("--initial-accumulator-value", type=float, default=None,
                             help=f"the tables' Adagrad accumulator at a new row (default: "
                                  f"{config['initial_accumulator_value']})")
+        parser.add_argument("--learning-rate", type=float, default=None,
+                            help=f"the tables' Adagrad learning rate (default: {config['learning_rate']}; "
+                                 f"a few walks per node need more, e.g. 0.2: see the module docstring)")
     elif paradigm == "gnn":
         config = config_defaults(paradigm, "GNNConfig")
         _data_option(parser, digits=False)

@@ -26,7 +26,7 @@ Command line (prints one JSON object as its last line)::
 
     python -m carlskit.paradigms.node_embeddings [--data cora|citeseer|FILE.npz] [--seed S]
         [--epochs E] [--workers N --trainers T] [--synthetic-nodes N] [--walks-per-node W]
-        [--walk-length L] [--steps S] [--dim D] [--initial-accumulator-value A]
+        [--walk-length L] [--steps S] [--dim D] [--initial-accumulator-value A] [--learning-rate R]
 """
 
 from __future__ import annotations
@@ -281,7 +281,8 @@ def main(argv: list[str] | None = None) -> dict:
     say(f"node_embeddings: {data}", args.quiet)
     config = NodeEmbeddingConfig()
     options = {"epochs": args.epochs, "walks_per_node": args.walks_per_node, "walk_length": args.walk_length,
-               "dim": args.dim, "initial_accumulator_value": args.initial_accumulator_value}
+               "dim": args.dim, "initial_accumulator_value": args.initial_accumulator_value,
+               "learning_rate": args.learning_rate}
     config = replace(config, **{k: v for k, v in options.items() if v is not None})
     if args.trainers > 1 and args.workers < args.trainers:
         raise SystemExit(f"--trainers {args.trainers} needs --workers >= {args.trainers}")

@@ -39,3 +39,17 @@ def test_skip_gram_through_the_bank_beats_untrained_embeddings():
     assert np.mean(trained["losses"][0][-10:]) < 0.7 * np.mean(trained["losses"][0][:5])
     assert trained["test_acc"] > untrained["test_acc"] + 0.3, (trained["test_acc"], untrained["test_acc"])
     assert trained["test_acc"] > 0.6  # 4 classes: chance is 0.25
+
+
+def test_few_pairs_per_node_learn_with_a_larger_learning_rate_and_not_with_the_default():
+    # The million-node run's regime: one walk of 10 per node (about 46 pairs per node, Cora gets
+    # about 2,400). Starting near zero (context rows 0, node rows +-0.5/dim), a row pair grows by
+    # about (1 + lr / sqrt(0.1) / 2) per use: at the default 0.05 it has not left zero after 46
+    # uses (chance), at 0.2 it has (module docstring).
+    data = synthetic_planetoid(num_nodes=3000, num_classes=6, homophily=0.8, mean_degree=8.0, num_features=12,
+                               words_per_node=1, num_val=300, num_test=600, seed=0)
+    few = replace(ne.NodeEmbeddingConfig(), dim=32, walks_per_node=1, walk_length=10, batch_size=1024)
+    default = ne.train(data, few, seed=0)
+    larger = ne.train(data, replace(few, learning_rate=0.2), seed=0)
+    assert default["samples"] / data.num_items < 50  # the regime: under 50 pairs per node
+    assert default["test_acc"] < 0.35 and larger["test_acc"] > 0.7, (default["test_acc"], larger["test_acc"])
