@@ -15,6 +15,13 @@ has no dense parameters. A logistic regression (scikit-learn) on the L2-normalis
 of the Planetoid training nodes is evaluated on the validation and test nodes, as in the Planetoid
 paper's DeepWalk row (Yang et al. 2016, table 2: Cora 67.2, Citeseer 43.2).
 
+Learning rate and pairs per node: the context rows start at zero and the node rows near it
+(+-0.5/dim), so the gradient of each is proportional to the other and a (node, context) pair of rows
+grows by about (1 + lr / sqrt(initial_accumulator_value) / 2) per use before anything is learned.
+Cora's default run gives each node about 2,400 pairs an epoch and learns at the default 0.05; one
+walk of 10 per node (about 46 pairs, the million-node run) stays at chance at 0.05 and learns at
+0.2 (``tests/paradigms/test_node_embeddings.py``; figures in BENCHMARKS.md).
+
 Several trainers (``--trainers N`` with ``--workers >= N``): each trains on the walks that start at
 its share of the nodes, on its own Dask worker, and all share the two tables in the bank, whose
 lazy update (``max_pending > 1``) combines their gradients: averaged (``combine="mean"``, CARLS;
