@@ -200,8 +200,9 @@ class BankEmbeddings:
             flat = np.concatenate([i.ravel() for i in ids[table]])
             unique, inverse = np.unique(flat, return_inverse=True)
             values, _ = self.bank.lookup(table, unique, insert_missing=True)
-            rows = np.zeros((padded_rows(len(unique), len(flat)), self.dims[table]), np.float32)
+            rows = np.empty((padded_rows(len(unique), len(flat)), self.dims[table]), np.float32)
             rows[: len(unique)] = values
+            rows[len(unique):] = 0.0  # only the padding is zeroed (a [24k, 64] batch: one pass less)
             out[rows_name(table)] = rows
             out[_KEYS + table] = unique
             start = 0
