@@ -10,7 +10,9 @@ in-device ``nnx.Embed``, with one and two trainers, and with a table 100x larger
   worker process pinned to one core of its own and single-threaded, so each trainer brings one core
   (weak scaling). Steady state: the samples of the steps that ended between step 30 and the first
   trainer's last step, by the records' ``wall_time`` (process start, shipping, compilation and
-  first lookups excluded); median of 3 interleaved rounds of 150 steps per trainer.
+  first lookups excluded); median of 3 interleaved rounds of 150 steps per trainer. Beside it
+  ``two_trainers_over_one_shared_cores``: the same with the workers unpinned and both shards spread
+  over both workers in both runs (one trainer may then use every core: strong scaling on a fixed machine).
 - ``step_10m_over_100k``: the wall time per step with a 10,000,000-row table over a 100,000-row
   table (dim 32, ids uniform over the table, the rows written first, one trainer in-process).
 - ``bytes_per_row_ratio``: the bank's resident bytes per row (values, Adagrad accumulator, per-row
@@ -121,13 +123,12 @@ def large_over_small(small_rows: int, large_rows: int, steps: int) -> dict:
             "step_10m_over_100k": out[large_rows] / out[small_rows]}
 
 
-def pin_to_core(core: int) -> list[int]:
-    """Pin every thread of this process to ``core`` (threads started later inherit it): a worker
-    process then has one core's worth of CPU, whatever threads XLA, NumPy or Dask start."""
-    threads = [int(t) for t in os.listdir("/proc/self/task")]
-    for thread in threads:
+def pin_to_cores(cores: list[int]) -> list[int]:
+    """Pin every thread of this process to ``cores`` (threads started later inherit it): pinned to
+    one core, a worker process has one core's worth of CPU, whatever threads XLA, NumPy or Dask start."""
+    for thread in (int(t) for t in os.listdir("/proc/self/task")):
         try:
-            os.sched_setaffinity(thread, {core})
+            os.sched_setaffinity(thread, set(cores))
         except OSError:  # a thread that ended meanwhile
             pass
     return sorted(os.sched_getaffinity(0))
@@ -146,35 +147,45 @@ def steady_samples_per_second(trainers: list[Trainer], warmup: int) -> float:
 
 
 def trainers_scaling(rows: int, steps: int, rounds: int, warmup: int) -> dict:
-    """One trainer on one worker (holding both bank shards) against two trainers on two workers
-    (a shard each), every worker process pinned to a core of its own (``pin_to_core``) and
-    single-threaded (``threads_per_worker=1``: XLA without its Eigen thread pool, OpenMP/BLAS 1):
-    each trainer brings one core. Interleaved rounds, steady-state samples/s, median."""
+    """Samples/s of 1 and 2 trainers (steady state, median of interleaved rounds), two ways:
+
+    - ``pinned`` (the key ``two_trainers_over_one``): every worker process pinned to a core of its
+      own and single-threaded (``threads_per_worker=1``: XLA without its Eigen pool, OpenMP/BLAS 1);
+      1 trainer on one worker holding both bank shards against 2 trainers on two workers holding a
+      shard each: each trainer brings one core (weak scaling);
+    - ``shared``: the workers unpinned, both shards on both workers in both runs: 1 trainer may use
+      every core of the machine (its worker and the other worker's shard), 2 trainers share them.
+    """
     from carlskit.cluster import connect
 
     client = connect(n_workers=2, threads_per_worker=1)
     try:
         workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
         cores = sorted(os.sched_getaffinity(0))
-        pinned = {w: client.run(pin_to_core, cores[i % len(cores)], workers=[w])[w] for i, w in enumerate(workers)}
         flags = set(client.run(lambda: os.environ.get("XLA_FLAGS", "")).values())
-        rates: dict[int, list[float]] = {1: [], 2: []}
+        rates: dict[str, dict[int, list[float]]] = {"pinned": {1: [], 2: []}, "shared": {1: [], 2: []}}
         for _ in range(rounds):
-            for count in (1, 2):
-                bank = KnowledgeBank(client, num_shards=2, workers=workers[:count])
-                trainers = [bank_trainer(bank, rows) for _ in range(count)]
-                handles = [t.fit(Batches(rows, 10 + i), steps, client=client, workers=[w], block=False,
-                                 progress=False, live=False) for i, (t, w) in enumerate(zip(trainers, workers))]
-                for handle in handles:
-                    handle.wait()
-                rates[count].append(steady_samples_per_second(trainers, warmup))
-                bank.close()
+            for mode in rates:
+                for i, w in enumerate(workers):
+                    client.run(pin_to_cores, [cores[i % len(cores)]] if mode == "pinned" else cores, workers=[w])
+                for count in (1, 2):
+                    bank = KnowledgeBank(client, num_shards=2, workers=workers[:count] if mode == "pinned" else None)
+                    trainers = [bank_trainer(bank, rows) for _ in range(count)]
+                    handles = [t.fit(Batches(rows, 10 + i), steps, client=client, workers=[w], block=False,
+                                     progress=False, live=False) for i, (t, w) in enumerate(zip(trainers, workers))]
+                    for handle in handles:
+                        handle.wait()
+                    rates[mode][count].append(steady_samples_per_second(trainers, warmup))
+                    bank.close()
     finally:
         client.close()
-    one, two = float(np.median(rates[1])), float(np.median(rates[2]))
-    return {"samples_per_second_1": one, "samples_per_second_2": two, "two_trainers_over_one": two / one,
-            "scaling_rounds": {str(k): v for k, v in rates.items()}, "worker_cores": pinned,
-            "worker_xla_flags": sorted(flags)}
+    median = {mode: {count: float(np.median(v)) for count, v in by.items()} for mode, by in rates.items()}
+    return {"samples_per_second_1": median["pinned"][1], "samples_per_second_2": median["pinned"][2],
+            "two_trainers_over_one": median["pinned"][2] / median["pinned"][1],
+            "shared_samples_per_second_1": median["shared"][1], "shared_samples_per_second_2": median["shared"][2],
+            "two_trainers_over_one_shared_cores": median["shared"][2] / median["shared"][1],
+            "scaling_rounds": {mode: {str(k): v for k, v in by.items()} for mode, by in rates.items()},
+            "cores": cores, "worker_xla_flags": sorted(flags)}
 
 
 def main() -> None:
