@@ -110,20 +110,10 @@ def combine_gradients(
     group_counts = counts[group_index]
     if len(groups) == len(group_index):  # one gradient per key: the common case, no reduction
         mean = sorted_gradients
-    else:  # keys with one gradient are copied; the others summed via a float64 running sum
-        mean = np.empty((len(group_index), gradients.shape[1]), np.float32)
-        single = group_counts == 1
+    else:  # each key's run of the sorted gradients summed in float64 (one pass, no running sum)
         starts = np.cumsum(group_counts) - group_counts
-        mean[single] = sorted_gradients[starts[single]]
-        multi = np.flatnonzero(~single)
-        entries = np.repeat(starts[multi], group_counts[multi]) + (
-            np.arange(group_counts[multi].sum()) - np.repeat(
-                np.cumsum(group_counts[multi]) - group_counts[multi], group_counts[multi]))
-        running = np.cumsum(sorted_gradients[entries], axis=0, dtype=np.float64)
-        ends = np.cumsum(group_counts[multi]) - 1
-        sums = running[ends]
-        sums[1:] -= running[ends[:-1]]
-        mean[multi] = sums / group_counts[multi][:, None] if combine == "mean" else sums
+        sums = np.add.reduceat(sorted_gradients, starts, axis=0, dtype=np.float64)
+        mean = sums / group_counts[:, None] if combine == "mean" else sums
     return CombinedGradients(
         group_index, mean.astype(np.float32, copy=False), counts[group_index],
         dropped_nonfinite, dropped_outliers,

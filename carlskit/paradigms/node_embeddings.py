@@ -303,6 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "steps": result["steps"], "samples": result["samples"], "seconds": result["seconds"],
                 "train_seconds": result["train_seconds"], "nodes": data.num_items, "rows": result["rows"],
                 "final_pair_loss": float(np.mean([np.mean(loss[-20:]) for loss in result["losses"]])),
+                "final_pair_loss_per_trainer": [float(np.mean(loss[-20:])) for loss in result["losses"]],
                 "config": asdict(config)}
 
     return run_and_print(args.workers, run, quiet=args.quiet)
