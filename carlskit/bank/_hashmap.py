@@ -6,11 +6,16 @@ non-full bucket (linear probing over buckets). ``-1`` (the reserved "no key") ma
 The table is kept at most half full, so a lookup of a batch costs one row gather of the home
 buckets plus a compare: almost every key resolves in the first round, and the few that overflowed
 take a second or third round on a tiny batch. There is no deletion (the bank never removes rows).
-Measured (1M keys, 4096 random lookups): about 0.15 ms, vs about 1 ms for ``np.searchsorted`` on
-sorted keys and about 0.3 ms for a linearly probed flat table.
+A key's slot in its bucket is read off the compare's 8 bytes as one word (a bit count), not by
+an ``argmax``; the ~2% of keys past their home bucket are compared with the next 4 buckets at once.
+Measured (1M keys, 4096 random lookups, quiet 2-core machine): about 0.10 ms (0.15 ms with an argmax
+and a bucket per round), vs about 1 ms for ``np.searchsorted`` on sorted keys and about 0.3 ms for a
+linearly probed flat table.
 """
 
 from __future__ import annotations
+
+import sys
 
 import numpy as np
 
@@ -18,6 +23,18 @@ BUCKET = 8
 EMPTY = np.int64(-1)
 _FIBONACCI = np.uint64(0x9E3779B97F4A7C15)
 _S32 = np.uint64(32)
+_SPAN_STEPS = np.arange(1, 5)  # overflowing keys: the next 4 buckets in one compare
+
+
+if sys.byteorder == "little":
+    def _slot_of(word: np.ndarray, hit: np.ndarray) -> np.ndarray:
+        """The slot (0..7) of each bucket's hit: its one true byte is byte ``p`` of the little-endian
+        word ``1 << 8p``, so ``word - 1`` has ``8p`` bits set (a bucket without a hit reads 8,
+        masked by the caller). A tenth of the time of ``hit.argmax(axis=1)``."""
+        return np.bitwise_count(word - np.uint64(1)) >> 3
+else:  # pragma: no cover - no big-endian CI machine
+    def _slot_of(word: np.ndarray, hit: np.ndarray) -> np.ndarray:
+        return hit.argmax(axis=1)
 
 
 class Int64RowMap:
@@ -64,28 +81,33 @@ class Int64RowMap:
 
     def get(self, keys: np.ndarray) -> np.ndarray:
         """Rows of ``keys`` (int64 [n]); -1 where absent."""
-        rows = np.full(len(keys), -1, dtype=np.int64)
-        num_buckets = len(self.bucket_fill)
-        active = None  # None: every key, avoids copying on the first round
-        buckets = self._home(keys)
         flat_rows = self.bucket_rows.reshape(-1)
+        buckets = self._home(keys)
+        hit = self.bucket_keys.take(buckets, axis=0) == keys[:, None]
+        word = hit.view(np.uint64)[:, 0]  # a bucket's 8 compare results as one word
+        rows = flat_rows.take(buckets * BUCKET + _slot_of(word, hit), mode="clip").astype(np.int64)
+        found = word != 0
+        if found.all():
+            return rows
+        # the few keys not in their home bucket (about 2% at half full): absent, or further on, which
+        # a key can be only when every bucket from its home to it is full (linear probing). They are
+        # compared with the next SPAN buckets at once (chains are short), then the next SPAN, ...
+        active = np.flatnonzero(~found)
+        rows[active] = -1
+        buckets = buckets[active]
+        num_buckets = len(self.bucket_fill)
         while True:
-            probe_keys = keys if active is None else keys[active]
-            window = self.bucket_keys.take(buckets, axis=0)
-            hit = window == probe_keys[:, None]
-            position = hit.argmax(axis=1)
-            found = hit.view(np.uint64)[:, 0] != 0  # 8 bools = one word; faster than any(axis=1)
-            found_rows = flat_rows.take(buckets * BUCKET + position)
-            if active is None:
-                rows[found] = found_rows[found]
-            else:
-                rows[active[found]] = found_rows[found]
-            # a key may sit further on only when its bucket overflowed, i.e. it is full
-            go_on = ~found & (self.bucket_fill.take(buckets) == BUCKET)
-            if not go_on.any():
+            full = self.bucket_fill.take(buckets) == BUCKET  # the last bucket looked at overflowed
+            active, buckets = active[full], buckets[full]
+            if not len(active):
                 return rows
-            active = np.flatnonzero(go_on) if active is None else active[go_on]
-            buckets = (buckets[go_on] + 1) % num_buckets
+            span = (buckets[:, None] + _SPAN_STEPS) % num_buckets  # [m, SPAN]
+            hit = self.bucket_keys.take(span, axis=0) == keys[active][:, None, None]  # [m, SPAN, BUCKET]
+            flat_hit = hit.reshape(len(active), -1)
+            found = flat_hit.any(axis=1)
+            slot = flat_hit[found].argmax(axis=1)  # bucket-major: SPAN * BUCKET positions
+            rows[active[found]] = flat_rows.take(span[found, slot // BUCKET] * BUCKET + slot % BUCKET)
+            active, buckets = active[~found], span[~found, -1]
 
     def insert_new(self, keys: np.ndarray) -> np.ndarray:
         """Insert distinct keys known to be absent; returns their new rows (size, size+1, ...)."""
