@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 
 from carlskit.bank import KnowledgeBank
+from carlskit.cluster import live_workers
 from carlskit.paradigms.node_embeddings import NodeEmbeddingConfig, make_trainer, skip_gram_loss
 from carlskit.training import Trainer
 
@@ -160,7 +161,7 @@ def trainers_scaling(rows: int, steps: int, rounds: int, warmup: int) -> dict:
 
     client = connect(n_workers=2, threads_per_worker=1)
     try:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = sorted(live_workers(client))
         cores = sorted(os.sched_getaffinity(0))
         flags = set(client.run(lambda: os.environ.get("XLA_FLAGS", "")).values())
         rates: dict[str, dict[int, list[float]]] = {"pinned": {1: [], 2: []}, "shared": {1: [], 2: []}}

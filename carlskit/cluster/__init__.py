@@ -1,6 +1,6 @@
 """Dask clusters for carlskit: connect from a notebook (embedded, remote, or heterogeneous worker
-groups), configure each worker for JAX from its own facts, list devices, place services, and the
-service kit every long-running service is built from.
+groups), configure each worker for JAX from its own facts, list devices and live workers
+(:func:`live_workers`), place services, and the service kit every long-running service is built from.
 
 The service kit (one implementation of each, used by the bank, summaries, lopt, makers and
 training):
@@ -20,7 +20,7 @@ from carlskit.cluster._connect import WorkerGroup, connect
 from carlskit.cluster._devices import DeviceReport, devices, worker_devices
 from carlskit.cluster._environment import JaxWorkerSetup, worker_environment
 from carlskit.cluster._loss import actor_lost, is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement, is_accelerator
+from carlskit.cluster._placement import NoWorkerError, Placement, is_accelerator, live_workers
 from carlskit.cluster._policy import Backoff, RestartPolicy, restart_policy
 from carlskit.cluster._service import ActorHost, retry_on_worker_loss, worker_gone
 from carlskit.cluster._status import ServiceState, ServiceStatus, give_up_message
@@ -34,7 +34,8 @@ from carlskit.cluster._supervised import (
 )
 
 __all__ = ["connect", "WorkerGroup", "devices", "DeviceReport", "worker_devices", "JaxWorkerSetup",
-           "worker_environment", "Placement", "NoWorkerError", "is_accelerator", "RestartPolicy", "restart_policy",
+           "worker_environment", "Placement", "NoWorkerError", "is_accelerator", "live_workers", "RestartPolicy",
+           "restart_policy",
            "Backoff", "ServiceState", "ServiceStatus", "give_up_message", "ActorHost", "worker_gone",
            "retry_on_worker_loss", "LongRunningTasks", "stop_flag", "ThreadStopFlag", "secede_if_on_worker",
            "log_worker_event", "MAX_KEPT_ERRORS", "is_worker_loss", "actor_lost"]

@@ -30,6 +30,22 @@ class NoWorkerError(WorkerLostError):
     """No live worker matches a service's placement (yet): retried under its restart policy."""
 
 
+def live_workers(client: Any) -> dict[str, dict[str, Any]]:
+    """The scheduler's live workers now: address -> its ``scheduler_info`` entry (name, resources,
+    status, ...), fetched by one call to the scheduler.
+
+    Not ``client.scheduler_info(n_workers=-1)["workers"]``: that refreshes the client's cached
+    identity and returns the cache, which the client's own periodic refresh (every
+    ``distributed.client.scheduler-info-interval``, 2 s) overwrites with a copy *without workers*;
+    when the two overlap, a caller in another thread reads no workers at all (distributed
+    2026.8: 10 of 500 calls with a 5 ms interval; ``tests/cluster/test_live_workers.py``), and a
+    service took its live workers for lost (a finished remote fit was submitted again).
+    """
+    if getattr(client, "asynchronous", False):
+        raise TypeError("live_workers needs a synchronous Client (await client.scheduler.identity() instead)")
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+
+
 def is_accelerator(resources: Mapping[str, float]) -> bool:
     """Whether a worker offering ``resources`` (its Dask resources) is an accelerator worker
     (a ``GPU``, ``TPU`` or ``accelerator`` resource > 0)."""
@@ -96,7 +112,7 @@ class Placement:
 
     def candidates(self, client: Any) -> list[str]:
         """Addresses of the live workers this placement allows, sorted (stable round robin)."""
-        workers = client.scheduler_info(n_workers=-1)["workers"]
+        workers = live_workers(client)
         chosen = sorted(address for address, info in workers.items() if self.matches(address, info))
         if self.restricted:
             return chosen

@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import actor_lost, is_worker_loss
-from carlskit.cluster._placement import Placement
+from carlskit.cluster._placement import Placement, live_workers
 from carlskit.cluster._policy import Backoff, RestartPolicy, restart_policy
 from carlskit.cluster._status import give_up_message
 
@@ -139,7 +139,7 @@ def worker_gone(client: Any, address: str | None) -> bool:
     if client is None or address is None:
         return False
     try:
-        return address not in client.scheduler_info(n_workers=-1)["workers"]
+        return address not in live_workers(client)
     except Exception:  # noqa: BLE001 - no answer from the scheduler: nothing known
         return False
 

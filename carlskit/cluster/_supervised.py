@@ -41,7 +41,7 @@ from typing import Any
 
 from carlskit._errors import ServiceGaveUpError
 from carlskit.cluster._loss import is_worker_loss
-from carlskit.cluster._placement import NoWorkerError, Placement
+from carlskit.cluster._placement import NoWorkerError, Placement, live_workers
 from carlskit.cluster._policy import Backoff, RestartPolicy, restart_policy  # noqa: F401 - importable from here too
 from carlskit.cluster._status import ServiceState, ServiceStatus
 
@@ -218,7 +218,7 @@ class LongRunningTasks:
     def _live_workers(self, refresh: bool = False) -> set[str]:
         """Addresses of the scheduler's workers, fetched at most once per poll."""
         if refresh or self._live is None:
-            self._live = set(self.client.scheduler_info(n_workers=-1)["workers"])
+            self._live = set(live_workers(self.client))
         return self._live
 
     def _finished(self, key: str) -> tuple[bool, BaseException | None, str]:

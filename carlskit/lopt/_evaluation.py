@@ -46,7 +46,7 @@ from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, dumps_checked_json, filesystem, loads_checked_json, unflatten_into
 from carlskit.checkpoints import CheckpointStore
-from carlskit.cluster import Placement, RestartPolicy, ServiceState, ServiceStatus, is_worker_loss
+from carlskit.cluster import Placement, RestartPolicy, ServiceState, ServiceStatus, is_worker_loss, live_workers
 from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.lopt._inner import init_inner_state, inner_step
 from carlskit.lopt._outer import meta_params_structure
@@ -329,7 +329,7 @@ class EvaluationChief:
         """Cancel jobs whose allowed workers are all gone (Dask would wait for them forever)."""
         if self.client is None or not self._allowed:
             return
-        live = set(self.client.scheduler_info(n_workers=-1)["workers"])
+        live = set(live_workers(self.client))
         for jobs in self._in_flight.values():
             for job in jobs.values():
                 allowed = self._allowed.get(job.key)

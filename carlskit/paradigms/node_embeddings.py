@@ -55,6 +55,7 @@ import optax
 from flax import nnx
 
 from carlskit.bank import KnowledgeBank
+from carlskit.cluster import live_workers
 from carlskit.data import Dataset, load_planetoid, synthetic_planetoid
 from carlskit.paradigms._cli import parse_arguments, run_and_print, say
 from carlskit.training import BankEmbedding, BankEmbeddings, Trainer
@@ -256,7 +257,7 @@ def train(data: Dataset, config: NodeEmbeddingConfig, *, seed: int = 0, client: 
         if trainers == 1:
             runs[0].fit(sources[0], steps, progress=progress, live=False)
         else:
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+            workers = sorted(live_workers(client))
             if len(workers) < trainers:
                 raise ValueError(f"{trainers} trainers need {trainers} Dask workers, the cluster has {len(workers)}")
             handles = [run.fit(source, steps, client=client, workers=[worker], block=False,

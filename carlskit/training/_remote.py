@@ -32,7 +32,7 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from carlskit.cluster import NoWorkerError, Placement, is_accelerator, retry_on_worker_loss
+from carlskit.cluster import NoWorkerError, Placement, is_accelerator, live_workers, retry_on_worker_loss
 
 REPORT_SECONDS = 0.5
 #: what ``Trainer.last_placement`` records of the worker (besides its address and ``resumed_from``)
@@ -118,14 +118,14 @@ def trainer_candidates(client: Any, placement: Placement, accelerators_only: boo
     accelerator waits for one rather than move to a CPU worker) or else every worker."""
     if placement.restricted:
         return placement.candidates(client)
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = live_workers(client)
     if accelerators_only:
         return sorted(a for a, info in workers.items() if is_accelerator(info.get("resources") or {}))
     return sorted(workers)
 
 
 def any_accelerator_worker(client: Any) -> bool:
-    workers = client.scheduler_info(n_workers=-1)["workers"].values()
+    workers = live_workers(client).values()
     return any(is_accelerator(info.get("resources") or {}) for info in workers)
 
 
@@ -182,7 +182,7 @@ def _follow(client, future, candidates, queue, received, stop, remote_stop, on_r
             remote_stop.set()  # the worker stops after its current step and returns its state
         if time.monotonic() - checked > 1.0:
             checked = time.monotonic()
-            if not set(candidates) & set(client.scheduler_info(n_workers=-1)["workers"]):
+            if not set(candidates) & set(live_workers(client)):
                 future.cancel()
                 raise NoWorkerError(f"the worker training this fit was lost ({', '.join(candidates)})")
         time.sleep(REPORT_SECONDS / 2)

@@ -116,7 +116,9 @@ class ClusterStatus(WidgetDisplay):
     def _workers(self) -> list[dict[str, Any]]:
         if self.client is None:
             return []
-        info = self.client.scheduler_info(n_workers=-1)["workers"]
+        from carlskit.cluster import live_workers
+
+        info = live_workers(self.client)
         rows = []
         for address, worker in sorted(info.items()):
             metrics = worker.get("metrics", {})

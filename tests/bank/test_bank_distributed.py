@@ -15,6 +15,7 @@ import pytest
 distributed = pytest.importorskip("distributed")
 
 from carlskit.bank import KnowledgeBank, ShardLostError  # noqa: E402
+from carlskit.cluster import live_workers  # noqa: E402
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 DIM = 8
@@ -247,7 +248,7 @@ def test_lost_shard_worker_is_named_and_snapshot_restores(client, tmp_path):
             time.sleep(0.02)
     dead = kb.shard_workers[1]
     deadline = time.monotonic() + 60
-    while dead in client.scheduler_info(n_workers=-1)["workers"]:  # the scheduler forgets the dead worker
+    while dead in live_workers(client):  # the scheduler forgets the dead worker
         if time.monotonic() > deadline:  # (its nanny restarts it later under a new address)
             pytest.fail(f"the scheduler still lists the killed worker {dead} after 60 s")
         time.sleep(0.05)

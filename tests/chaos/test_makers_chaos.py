@@ -17,6 +17,7 @@ from process_helpers import wait_until
 
 import carlskit
 from carlskit.bank import KnowledgeBank
+from carlskit.cluster import live_workers
 from carlskit.makers import EmbeddingMaker, Maker
 from carlskit.training import CheckpointStore, Trainer
 
@@ -61,7 +62,7 @@ def test_a_sigkilled_maker_worker_resumes_elsewhere_and_catches_up_with_training
     client = carlskit.connect(n_workers=2, threads_per_worker=1)
     handle = maker = bank = None
     try:
-        names = {address: str(info["name"]) for address, info in client.scheduler_info()["workers"].items()}
+        names = {address: str(info["name"]) for address, info in live_workers(client).items()}
         bank_name, maker_name = sorted(names.values())
         # the bank lives on the worker that survives, the maker on the one that is killed (by name:
         # its nanny's replacement process takes the name again)

@@ -18,6 +18,7 @@ import pytest
 from process_helpers import connected_cluster
 
 from carlskit._errors import ServiceGaveUpError
+from carlskit.cluster import live_workers
 from carlskit.cluster._supervised import RestartPolicy
 from carlskit.summaries import SummaryReader, SummaryWriter, aggregator_of
 
@@ -130,10 +131,10 @@ def test_a_writer_whose_aggregator_cannot_be_rebuilt_blocks_then_gives_up_at_the
         for step in range(10):
             writer.scalar("kept", float(step), step)
         writer.flush()
-        (address,) = client.scheduler_info(n_workers=-1)["workers"]
+        (address,) = live_workers(client)
         cluster.scale(0)  # the only worker goes: the aggregator cannot be rebuilt anywhere
         deadline = time.monotonic() + 60
-        while client.scheduler_info(n_workers=-1)["workers"] and time.monotonic() < deadline:
+        while live_workers(client) and time.monotonic() < deadline:
             time.sleep(0.05)
         with pytest.raises(TimeoutError, match="max_pending=1000"):
             for step in range(10, 5_000):

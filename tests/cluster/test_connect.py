@@ -17,6 +17,7 @@ import pytest
 from distributed import Security
 
 import carlskit
+from carlskit.cluster import live_workers
 from carlskit.cluster._environment import machine_has_accelerator
 
 # Workers started by the `dask` CLI cannot import this test module: ship its functions by value.
@@ -36,7 +37,7 @@ def worker_settings():
 def test_embedded_cluster_is_started_once_and_configures_workers():
     client = carlskit.connect(n_workers=2, threads_per_worker=1, platform="cpu")
     try:
-        assert len(client.scheduler_info()["workers"]) == 2
+        assert len(live_workers(client)) == 2
         assert client.dashboard_link.startswith("http://127.0.0.1:")
         assert carlskit.connect() is client, "a second connect() must reuse the running client"
         settings = client.run(worker_settings)

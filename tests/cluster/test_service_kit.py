@@ -16,6 +16,7 @@ from carlskit.cluster import (
     ServiceState,
     ServiceStatus,
     give_up_message,
+    live_workers,
     retry_on_worker_loss,
 )
 from carlskit.widgets import ClusterStatus
@@ -107,11 +108,19 @@ def test_retry_on_worker_loss_retries_losses_raises_other_errors_and_gives_up():
 
 
 class FakeScheduler:
+    """A synchronous client's surface that live_workers uses: client.sync(client.scheduler.identity)."""
+
+    asynchronous = False
+
     def __init__(self, workers):
         self.workers = workers
+        self.scheduler = self
 
-    def scheduler_info(self, n_workers=-1):
+    def identity(self, n_workers=-1):
         return {"workers": {address: {"name": address[-1], "resources": {}} for address in self.workers}}
+
+    def sync(self, function, *args, **kwargs):
+        return function(*args, **kwargs)
 
 
 def test_placement_choose_takes_the_least_loaded_live_worker_and_avoids_the_lost_one():
@@ -140,7 +149,7 @@ def test_actor_host_places_rebuilds_away_from_the_old_worker_and_releases_the_ol
             Client(cluster) as client:
         host = ActorHost(client, Placement(), "counter")
         first = host.start(Counter, 10)
-        assert first.add(1).result() == 11 and host.worker in client.scheduler_info()["workers"]
+        assert first.add(1).result() == 11 and host.worker in live_workers(client)
         assert not host.lost()
         old_future, old_worker = host.future, host.worker
         assert old_future.key in client.refcount

@@ -9,7 +9,7 @@ import pytest
 from process_helpers import kill_worker, wait_until
 
 import carlskit
-from carlskit.cluster import Placement, WorkerGroup
+from carlskit.cluster import Placement, WorkerGroup, live_workers
 from carlskit.cluster._environment import WorkerFacts, choose_platform, environment_for
 from carlskit.cluster._supervised import LongRunningTasks, RestartPolicy, stop_flag
 
@@ -178,7 +178,7 @@ def test_services_are_placed_by_group_and_a_killed_maker_restarts_inside_its_gro
         kill_worker(client, maker_worker["process"])
         killed_at = time.monotonic()
         def replaced():
-            names = {str(info["name"]): address for address, info in client.scheduler_info()["workers"].items()}
+            names = {str(info["name"]): address for address, info in live_workers(client).items()}
             return names.get("makers-0") not in (None, maker_worker["process"])
 
         wait_until(replaced, seconds=120)
