@@ -233,6 +233,22 @@ class LearnerService:
             return {**self.last_status, "error": repr(error)}
         return dict(self.last_status)
 
+    def report(self) -> dict[str, Any]:
+        """The learner's part of ``MetaTraining.status()``: its figures, the store's, its restarts and
+        outages (``recoveries``), and each task family's monitoring (``families``)."""
+        learner = self.status()
+        report = {key: learner.get(key) for key in ("outer_step", "resumed_from", "outer_loss",
+                                                    "gradients_per_second", "dropped_fraction", "received",
+                                                    "applied", "rejected", "latest_checkpoint",
+                                                    "mean_update_seconds", "staleness_counts")}
+        report["store"] = self.store_status()
+        report["learner_restarts"] = self.supervision.restarts
+        report["recoveries"] = [dict(r) for r in self.recoveries]
+        monitored = {row["task_family"]: row for row in learner.get("families") or []}
+        report["families"] = [{**monitored.get(name, {}), "task_family": name, **values}
+                              for name, values in (learner.get("family_losses") or {}).items()]
+        return report
+
     def store_status(self) -> Any:
         try:
             if self._driver is not None and self.down() is not None:

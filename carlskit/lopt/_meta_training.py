@@ -363,27 +363,14 @@ class MetaTraining:
 
     def status(self) -> dict[str, Any]:
         """One dict for ``ClusterStatus``: the services' supervision state (``services``), learner,
-        store, workers, restarts, outages (``recoveries``), errors, evaluation."""
-        services = self.services()
-        learner = self.learner_status()
-        report = {key: learner.get(key) for key in ("outer_step", "resumed_from", "outer_loss",
-                                                    "gradients_per_second", "dropped_fraction", "received",
-                                                    "applied", "rejected", "latest_checkpoint",
-                                                    "mean_update_seconds")}
-        report["staleness_counts"] = learner.get("staleness_counts")
-        report["store"] = self.learner_service.store_status()
-        report["es_workers"] = self.num_workers
-        report["es_workers_running"] = len(self._tasks.running()) if self._tasks is not None else 0
-        report["worker_restarts"] = self._tasks.restarts if self._tasks is not None else 0
-        report["worker_errors"] = self._tasks.error_count if self._tasks is not None else 0
-        report["learner_restarts"] = self.learner_restarts
-        report["recoveries"] = [dict(r) for r in self.recoveries]
-        report["services"] = services
+        store, workers, restarts, outages (``recoveries``), errors, evaluation, task families."""
+        report, tasks = self.learner_service.report(), self._tasks
+        report.update(es_workers=self.num_workers, services=self.services(),
+                      es_workers_running=0 if tasks is None else len(tasks.running()),
+                      worker_restarts=0 if tasks is None else tasks.restarts,
+                      worker_errors=0 if tasks is None else tasks.error_count)
         if self.chief is not None:
             report["evaluation"] = self.chief.status()
-        monitored = {row["task_family"]: row for row in learner.get("families") or []}
-        report["families"] = [{**monitored.get(name, {}), "task_family": name, **values}
-                              for name, values in (learner.get("family_losses") or {}).items()]
         return report
 
     @property
