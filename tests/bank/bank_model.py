@@ -40,7 +40,6 @@ import numpy as np
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from carlskit.bank import KnowledgeBank, ShardLostError
-from carlskit.cluster import live_workers
 
 DIM = 2
 KEYS = st.integers(1, 10)
@@ -396,7 +395,7 @@ class DistributedBankMachine(BankMachine):
             self.client.wait_for_workers(2, timeout=90)
         except TimeoutError:
             type(self).counts.workers_added += 1
-            self.client.cluster.scale(len(live_workers(self.client)) + 1)
+            self.client.cluster.scale(len(self.client.scheduler_info()["workers"]) + 1)
             self.client.wait_for_workers(2, timeout=300)
 
     def make_bank(self) -> KnowledgeBank:
