@@ -25,8 +25,9 @@ walk of 10 per node (about 46 pairs, the million-node run) stays at chance at 0.
 Several trainers (``--trainers N`` with ``--workers >= N``): each trains on the walks that start at
 its share of the nodes, on its own Dask worker, and all share the two tables in the bank, whose
 lazy update (``max_pending > 1``) combines their gradients: averaged (``combine="mean"``, CARLS;
-give it about twice immediate application's learning rate, as the loss is a sum over pairs) or
-summed (``combine="sum"``, the same rows as immediate SGD). Two trainers on Cora:
+the loss is a sum over pairs, so averaging shrinks a row's step by the number of gradients its next
+lookup finds cached, which depends on the trainers' timing: tune its rate) or summed
+(``combine="sum"``, the same rows as immediate SGD). Two trainers on Cora:
 ``benchmarks/lazy_vs_immediate.py``.
 
 Command line (prints one JSON object as its last line)::
