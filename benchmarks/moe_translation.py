@@ -20,6 +20,10 @@ Prints progress and the per-language table on stderr, then ONE JSON object as th
   over without (the prefix re-run each step), one batch of 64 test sources, MoE-32 seed 0, fastest
   of 3; ``cached_equals_uncached``: the two decodings' ids are equal.
 - ``per_language``: tag -> training pairs, mean BLEU of each model, gain of MoE-32 over dense.
+
+``--plot FILE.png`` also draws GShard's picture from ``per_language``: each tag's BLEU gain of MoE-32
+over dense against its training pairs, with the mean of five size bands; ``--plot-from RESULT``
+draws it from a saved run's output (its last line) without training.
 """
 
 from __future__ import annotations
@@ -58,12 +62,48 @@ def decode_speed(model, source: np.ndarray, rounds: int = 3) -> dict:
             "cached_equals_uncached": bool(np.array_equal(outputs[True], outputs[False]))}
 
 
+def plot_gain(out: dict, path: str) -> None:
+    """Each tag's BLEU gain of MoE-32 over dense (mean over seeds) against its training pairs, and
+    the mean gain of five bands of equal tag count (GShard's figure of gain against data size)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted(out["per_language"].items(), key=lambda item: item[1]["train_pairs"])
+    sizes = np.array([row["train_pairs"] for _, row in rows])
+    gains = np.array([row["gain_moe_32"] for _, row in rows])
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    ax.scatter(sizes, gains, s=10, alpha=0.6, label="one tag (mean over seeds)")
+    for band in np.array_split(np.arange(len(rows)), 5):
+        ax.plot([sizes[band].min(), sizes[band].max()], [gains[band].mean()] * 2, color="C3", lw=2)
+    ax.plot([], [], color="C3", lw=2, label="mean of a size band (20 tags)")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("training pairs of the tag (log)")
+    ax.set_ylabel("BLEU gain, MoE-32 - dense")
+    ax.set_title(f"{out['steps']} steps, seeds {out['seeds']}: mean gain "
+                 f"{out['test_bleu_moe_32'] - out['test_bleu_dense']:+.2f} BLEU")
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--small", action="store_true", default=os.environ.get("CARLSKIT_SMALL") == "1")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--plot", default=None, help="also write the gain-against-size figure here (PNG)")
+    parser.add_argument("--plot-from", default=None, help="a saved run's output: only draw --plot from it")
     args = parser.parse_args()
+    if args.plot_from:
+        if not args.plot:
+            parser.error("--plot-from needs --plot FILE.png")
+        with open(args.plot_from) as file:
+            plot_gain(json.loads(file.read().strip().splitlines()[-1]), args.plot)
+        return
     size = "small" if args.small else "full"
     started = time.perf_counter()
 
@@ -133,6 +173,8 @@ def main() -> None:
     for tag, row in sorted(out["per_language"].items(), key=lambda item: -item[1]["train_pairs"]):
         print(f"{tag:>6} {row['train_pairs']:>6} {row['dense']:6.2f} {row['moe_8']:6.2f} {row['moe_32']:6.2f} "
               f"{row['gain_moe_32']:+6.2f}", file=sys.stderr)
+    if args.plot:
+        plot_gain(out, args.plot)
     print(json.dumps(out))
 
 
