@@ -12,10 +12,11 @@ the trainers) and the test accuracy of the logistic regression:
 - ``lazy_sum``: the same, summed (``combine="sum"``), the rule for a loss that is a sum over pairs.
 
 Every learning rate of ``--learning-rates`` runs for every variant and seed (the same grid for all);
-the summary picks each variant's best rate by mean final loss over the seeds.
+the summary picks each variant's best rate by mean final loss over the seeds. ``--optimizer sgd``
+gives both tables plain SGD instead of Adagrad (the issue's "immediate SGD" baseline, literally).
 
     python benchmarks/lazy_vs_immediate.py [--data cora] [--seeds 0 1] [--epochs 0.3]
-        [--learning-rates 0.05 0.1] [--variants immediate lazy_mean lazy_sum] [--small]
+        [--learning-rates 0.05 0.1] [--variants immediate lazy_mean lazy_sum] [--optimizer adagrad|sgd] [--small]
 One JSON line per run, then a last line: the summary (best rate and mean final loss per variant,
 ``lazy_mean_over_immediate_loss`` and ``lazy_sum_over_immediate_loss`` at each one's best rate).
 """
@@ -49,6 +50,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=float, default=0.3)
     parser.add_argument("--learning-rates", type=float, nargs="+", default=[0.05, 0.1])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--optimizer", default="adagrad", choices=["adagrad", "sgd"])
     parser.add_argument("--small", action="store_true", help="0.02 epochs, one seed, one rate")
     args = parser.parse_args()
     if args.small or os.environ.get("CARLSKIT_SMALL") == "1":
@@ -61,7 +63,7 @@ def main() -> None:
             for rate in args.learning_rates:
                 for variant in args.variants:
                     config = replace(ne.NodeEmbeddingConfig(), epochs=args.epochs, learning_rate=rate,
-                                     **VARIANTS[variant])
+                                     optimizer=args.optimizer, **VARIANTS[variant])
                     result = ne.train(data, config, seed=seed, client=client, num_shards=2, trainers=2)
                     run = {"variant": variant, "seed": seed, "learning_rate": rate, "samples": result["samples"],
                            "final_loss": final_loss(result["losses"]), "test_acc": result["test_acc"],
@@ -70,7 +72,7 @@ def main() -> None:
                     print(json.dumps(run), flush=True)
     finally:
         client.close()
-    summary = {"data": args.data, "seeds": args.seeds, "epochs_per_trainer": args.epochs,
+    summary = {"data": args.data, "optimizer": args.optimizer, "seeds": args.seeds, "epochs_per_trainer": args.epochs,
                "samples": runs[0]["samples"], "learning_rates": args.learning_rates}
     for variant in args.variants:
         by_rate = {rate: [r for r in runs if r["variant"] == variant and r["learning_rate"] == rate]

@@ -10,8 +10,8 @@ from the unigram distribution of the walks to the power 3/4. The skip-gram loss 
 
 and both tables, the node embeddings u ("nodes") and the context embeddings c ("contexts"), live in
 the knowledge bank: the trainer's input pipeline looks up the rows of each batch's distinct ids and
-the bank's Adagrad applies their gradients (``carlskit.training.BankEmbeddings``). The model itself
-has no dense parameters. A logistic regression (scikit-learn) on the L2-normalised node embeddings
+the bank's Adagrad (``optimizer="sgd"``: plain SGD) applies their gradients
+(``carlskit.training.BankEmbeddings``). The model itself has no dense parameters. A logistic regression (scikit-learn) on the L2-normalised node embeddings
 of the Planetoid training nodes is evaluated on the validation and test nodes, as in the Planetoid
 paper's DeepWalk row (Yang et al. 2016, table 2: Cora 67.2, Citeseer 43.2).
 
@@ -76,8 +76,9 @@ class NodeEmbeddingConfig:
     negatives: int = 5
     batch_size: int = 4096
     epochs: float = 1.0
-    learning_rate: float = 0.05  # the bank tables' Adagrad
-    initial_accumulator_value: float = 0.1
+    optimizer: str = "adagrad"  # the bank tables' optimizer: "adagrad" or "sgd"
+    learning_rate: float = 0.05  # the bank tables' optimizer's
+    initial_accumulator_value: float = 0.1  # Adagrad's
     max_pending: int = 1  # 1: a gradient is applied when it arrives; more: cached until the next lookup
     combine: str = "mean"  # with max_pending > 1: a row's cached gradients averaged (CARLS) or summed
     max_staleness: int = 1
@@ -195,7 +196,7 @@ class SkipGramBatches:
 
 def create_tables(bank: KnowledgeBank, config: NodeEmbeddingConfig, num_nodes: int, seed: int) -> None:
     """The node table (word2vec's init: U(-0.5/dim, 0.5/dim)) and the context table (zeros), Adagrad."""
-    options = dict(optimizer="adagrad", learning_rate=config.learning_rate,
+    options = dict(optimizer=config.optimizer, learning_rate=config.learning_rate,
                    initial_accumulator_value=config.initial_accumulator_value, max_pending=config.max_pending,
                    combine=config.combine, capacity=num_nodes)
     bank.create_table("nodes", config.dim, initializer="uniform", init_scale=0.5 / config.dim, seed=seed, **options)

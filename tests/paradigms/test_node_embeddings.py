@@ -53,3 +53,17 @@ def test_few_pairs_per_node_learn_with_a_larger_learning_rate_and_not_with_the_d
     larger = ne.train(data, replace(few, learning_rate=0.2), seed=0)
     assert default["samples"] / data.num_items < 50  # the regime: under 50 pairs per node
     assert default["test_acc"] < 0.35 and larger["test_acc"] > 0.7, (default["test_acc"], larger["test_acc"])
+
+
+def test_the_tables_use_the_configured_optimizer_and_plain_sgd_learns():
+    # `optimizer="sgd"`: the plain SGD baseline (benchmarks/lazy_vs_immediate.py --optimizer sgd)
+    data = _graph()
+    sgd = replace(TINY, optimizer="sgd", learning_rate=0.1)  # 0.05 learns slowly here, 1.0 diverges
+    bank = KnowledgeBank()
+    ne.create_tables(bank, sgd, data.num_items, seed=0)
+    assert {bank.tables[t]["optimizer"] for t in ("nodes", "contexts")} == {"sgd"}
+    ne.create_tables(adagrad := KnowledgeBank(), TINY, data.num_items, seed=0)
+    assert adagrad.tables["nodes"]["optimizer"] == "adagrad"
+    trained = ne.train(data, sgd, seed=0, steps=60)
+    assert np.mean(trained["losses"][0][-10:]) < 0.8 * np.mean(trained["losses"][0][:5])
+    assert trained["test_acc"] > 0.6, trained["test_acc"]  # 4 classes: chance is 0.25
