@@ -11,8 +11,9 @@ from the unigram distribution of the walks to the power 3/4. The skip-gram loss 
 and both tables, the node embeddings u ("nodes") and the context embeddings c ("contexts"), live in
 the knowledge bank: the trainer's input pipeline looks up the rows of each batch's distinct ids and
 the bank's Adagrad (``optimizer="sgd"``: plain SGD) applies their gradients
-(``carlskit.training.BankEmbeddings``). The model itself has no dense parameters. A logistic regression (scikit-learn) on the L2-normalised node embeddings
-of the Planetoid training nodes is evaluated on the validation and test nodes, as in the Planetoid
+(``carlskit.training.BankEmbeddings``). The model itself has no dense parameters. A logistic
+regression (scikit-learn) on the L2-normalised node embeddings of the Planetoid training nodes is
+evaluated on the validation and test nodes, as in the Planetoid
 paper's DeepWalk row (Yang et al. 2016, table 2: Cora 67.2, Citeseer 43.2).
 
 Learning rate and pairs per node: the context rows start at zero and the node rows near it
