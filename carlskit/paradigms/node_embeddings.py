@@ -196,7 +196,8 @@ class SkipGramBatches:
 
 
 def create_tables(bank: KnowledgeBank, config: NodeEmbeddingConfig, num_nodes: int, seed: int) -> None:
-    """The node table (word2vec's init: U(-0.5/dim, 0.5/dim)) and the context table (zeros), Adagrad."""
+    """The node table (word2vec's init: U(-0.5/dim, 0.5/dim)) and the context table (zeros), on the
+    config's optimizer (Adagrad by default)."""
     options = dict(optimizer=config.optimizer, learning_rate=config.learning_rate,
                    initial_accumulator_value=config.initial_accumulator_value, max_pending=config.max_pending,
                    combine=config.combine, capacity=num_nodes)
