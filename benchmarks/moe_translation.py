@@ -77,7 +77,7 @@ def plot_gain(out: dict, path: str) -> None:
     ax.scatter(sizes, gains, s=10, alpha=0.6, label="one tag (mean over seeds)")
     for band in np.array_split(np.arange(len(rows)), 5):
         ax.plot([sizes[band].min(), sizes[band].max()], [gains[band].mean()] * 2, color="C3", lw=2)
-    ax.plot([], [], color="C3", lw=2, label="mean of a size band (20 tags)")
+    ax.plot([], [], color="C3", lw=2, label="mean of each fifth of the tags, by size")
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xscale("log")
     ax.set_xlabel("training pairs of the tag (log)")
