@@ -38,6 +38,8 @@ _EXPORTS = {
     "CorruptFileError": "carlskit._errors",
     "ServiceGaveUpError": "carlskit._errors",
     "WorkerLostError": "carlskit._errors",
+    "RankFailedError": "carlskit._errors",
+    "RankLostError": "carlskit._errors",
 }
 _SUBPACKAGES = ("bank", "checkpoints", "cluster", "data", "lopt", "makers", "moe", "paradigms", "summaries",
                 "training", "widgets")
@@ -46,7 +48,7 @@ __all__ = [*_EXPORTS, *_SUBPACKAGES]
 
 if TYPE_CHECKING:  # static analysers and IDEs see the eager imports
     from carlskit import widgets
-    from carlskit._errors import CorruptFileError, ServiceGaveUpError, WorkerLostError
+    from carlskit._errors import CorruptFileError, RankFailedError, RankLostError, ServiceGaveUpError, WorkerLostError
     from carlskit._history import History
     from carlskit.bank import KnowledgeBank
     from carlskit.checkpoints import CheckpointStore

@@ -1,0 +1,87 @@
+"""Functions the process-group tests run in every rank (imported by reference in the ranks)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def global_sum(offset: float) -> tuple[int, int, float]:
+    """Each rank: its index, the global device count, and a sum over an array split across all ranks."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from carlskit.cluster import report_progress
+
+    mesh = jax.make_mesh((jax.device_count(),), ("d",), devices=jax.devices())
+    values = jax.device_put(np.arange(16.0), NamedSharding(mesh, P("d")))
+    total = jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values)
+    for step in (1, 2):
+        report_progress({"step": step, "rank": jax.process_index()})
+    print(f"sum {float(total)}")
+    return jax.process_index(), jax.device_count(), float(total) + offset
+
+
+def _all_reduce() -> float:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((jax.device_count(),), ("d",), devices=jax.devices())
+    values = jax.device_put(np.ones(jax.device_count()), NamedSharding(mesh, P("d")))
+    return float(jax.jit(jnp.sum, out_shardings=NamedSharding(mesh, P()))(values))
+
+
+def rank_one_raises() -> float:
+    """Rank 1 raises before the first collective; rank 0 waits in it."""
+    import jax
+
+    if jax.process_index() == 1:
+        raise ValueError("rank 1's data is bad")
+    return _all_reduce()
+
+
+def rank_one_hangs() -> float:
+    """Rank 1 never reaches the collective (alive, heartbeating); rank 0 waits in it."""
+    import jax
+
+    if jax.process_index() == 1:
+        time.sleep(3600)
+    return _all_reduce()
+
+
+def rank_one_exits() -> float:
+    """Rank 1's process dies without a word (as a segfault or an OOM kill would end it)."""
+    import jax
+
+    if jax.process_index() == 1:
+        os._exit(9)
+    return _all_reduce()
+
+
+def resumable_steps(folder: str, steps: int, seconds_per_step: float) -> int:
+    """Count steps with an all-reduce each, rank 0 saving the count to ``folder`` after every step
+    (atomically); a relaunched group resumes from it. Returns the steps this launch ran."""
+    import jax
+
+    path = os.path.join(folder, "step")
+    start = int(open(path).read()) if os.path.exists(path) else 0
+    if jax.process_index() == 0:
+        with open(os.path.join(folder, "launches"), "a") as file:
+            file.write(f"{start}\n")
+    from carlskit.cluster import report_progress
+
+    for step in range(start + 1, steps + 1):
+        _all_reduce()
+        time.sleep(seconds_per_step)
+        if jax.process_index() == 0:
+            with open(path + ".tmp", "w") as file:
+                file.write(str(step))
+            os.replace(path + ".tmp", path)
+            report_progress({"step": step})
+    return steps - start
