@@ -26,3 +26,32 @@ def sum_batch(step):
 
     x = np.random.default_rng(step).normal(size=(8, 4)).astype(np.float32)
     return {"x": x, "y": x.sum(axis=1)}
+
+
+class MLP(nnx.Module):
+    """``x [B, 4] -> [B]``: two dense layers, for the data-parallel process-group fit."""
+
+    def __init__(self, seed=0):
+        rngs = nnx.Rngs(seed)
+        self.hidden = nnx.Linear(4, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.tanh(self.hidden(x)))[:, 0]
+
+
+def sum_batch_16(step):
+    """Batch ``step``: 16 rows (2 per device of 2 processes x 4 devices) of 4 normal features whose
+    target is their sum (seeded by the step)."""
+    import numpy as np
+
+    x = np.random.default_rng(step).normal(size=(16, 4)).astype(np.float32)
+    return {"x": x, "y": x.sum(axis=1)}
+
+
+def slow_sum_batch_16(step):
+    """:func:`sum_batch_16`, a quarter second late (a fit slow enough to lose a worker in)."""
+    import time
+
+    time.sleep(0.25)
+    return sum_batch_16(step)

@@ -274,7 +274,8 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
              timeout: float | None = None, stall_timeout: float | None = None,
              initialization_timeout: float = 60.0, heartbeat_timeout: float = 30.0,
              restart_policy: Any = None, on_record: Callable[[dict], None] | None = None,
-             output: bool | Callable[[int, str], None] = True) -> list[Any]:
+             output: bool | Callable[[int, str], None] = True, stop: threading.Event | None = None,
+             on_restart: Callable[[BaseException, float], None] | None = None) -> list[Any]:
     """Run ``fn(*args)`` once in each of ``processes`` fresh JAX processes on Dask workers, as one
     JAX program (``jax.distributed``: ``jax.devices()`` lists every rank's devices).
 
@@ -296,6 +297,9 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
       on_record: called in the caller with each record rank 0 reports.
       output: print each rank's output lines tagged ``[rank r]`` (``True``), drop them (``False``), or
         pass ``(rank, line)`` to a function.
+      stop: a ``threading.Event``; once set, every rank is ended and ``RankFailedError`` (``kind=
+        "stopped"``) raised (a fit's ``FitHandle.stop``).
+      on_restart: called with ``(error, delay_seconds)`` before each relaunch.
 
     Returns:
       ``fn``'s values, in rank order.
@@ -322,25 +326,25 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
         raise TypeError(f"output must be a bool or a function of (rank, line), got {type(output).__name__}")
     placement = Placement.of(workers, resources)
     group = _Group(client, fn, args, processes, devices_per_process, placement, timeout, stall_timeout,
-                   initialization_timeout, heartbeat_timeout, on_record, output)
+                   initialization_timeout, heartbeat_timeout, on_record, output, stop)
     if restart_policy is None:
         return group.run()
     from carlskit.cluster._policy import restart_policy as policy_of
 
     return retry_on_worker_loss(group.run, policy=policy_of(restart_policy),
-                                what=f"the process group of {processes} ranks")
+                                what=f"the process group of {processes} ranks", on_retry=on_restart)
 
 
 class _Group:
     """One :func:`run_spmd` call: each :meth:`run` launches the group once and follows it."""
 
     def __init__(self, client, fn, args, processes, devices_per_process, placement, timeout, stall_timeout,
-                 initialization_timeout, heartbeat_timeout, on_record, output):
+                 initialization_timeout, heartbeat_timeout, on_record, output, stop=None):
         self.client, self.fn, self.args, self.processes = client, fn, args, processes
         self.devices_per_process, self.placement = devices_per_process, placement
         self.timeout, self.stall_timeout = timeout, stall_timeout
         self.initialization_timeout, self.heartbeat_timeout = initialization_timeout, heartbeat_timeout
-        self.on_record, self.output = on_record, output
+        self.on_record, self.output, self.stop = on_record, output, stop
         self.launches = 0
 
     def _print(self, rank: int, line: str) -> None:
@@ -413,6 +417,9 @@ class _Group:
             if failed:
                 stop.set()
                 raise self._root_cause(futures, outcomes)
+            if self.stop is not None and self.stop.is_set():
+                stop.set()
+                raise RankFailedError(None, "stopped", "was stopped by the caller")
             if self.timeout is not None and now - started > self.timeout:
                 stop.set()
                 raise RankFailedError(None, "timed out", f"ran past timeout={self.timeout:g} s")

@@ -89,6 +89,46 @@ def worker_placement(resumed_from: int) -> dict:
     return {"worker": worker.address, **{k: devices[k] for k in PLACEMENT_FIELDS}, "resumed_from": resumed_from}
 
 
+def group_placement(resumed_from: int, processes: int) -> dict:
+    """Where a process group's fit runs (in rank 0): its :data:`PLACEMENT_FIELDS` over every
+    process's devices, and the step it resumed from."""
+    import socket
+
+    import jax
+
+    return {"worker": f"{processes} processes", "group": None, "host": socket.gethostname(),
+            "backend": jax.default_backend(), "device_count": jax.device_count(),
+            "device_kinds": sorted({d.device_kind for d in jax.devices()}), "resources": None,
+            "processes": processes, "resumed_from": resumed_from}
+
+
+def run_group(task: Callable[[RemoteFit, Any], RemoteResult | None], spec: RemoteFit, client: Any, data: Any,
+              placement: Placement, policy: Any, stop: threading.Event, processes: int,
+              devices_per_process: int | None, *, on_records: Callable[[list[dict]], None],
+              on_placement: Callable[[dict], None], on_restart: Callable[[], None]) -> tuple[RemoteResult, dict]:
+    """Run ``task(spec, data)`` in every rank of a process group (:func:`carlskit.cluster.run_spmd`)
+    on workers of ``placement``, relaunched under ``policy`` after a lost worker; rank 0's records
+    reach ``on_records`` once each (a relaunch repeats the steps since its checkpoint). Returns
+    rank 0's result and every record received, by step."""
+    from carlskit.cluster import run_spmd
+
+    received: dict[int, dict] = {}
+
+    def on_record(record: dict) -> None:
+        if "placement" in record:
+            on_placement(record["placement"])
+            return
+        new = record["step"] not in received
+        received[record["step"]] = record
+        if new:
+            on_records([record])
+
+    results = run_spmd(client, task, spec, data, processes=processes, devices_per_process=devices_per_process,
+                       workers=placement.workers, resources=placement.resources, restart_policy=policy,
+                       on_record=on_record, stop=stop, on_restart=lambda error, delay: on_restart())
+    return results[0], received
+
+
 def report_until_done(spec: RemoteFit, placement: dict, history: list, done: Callable[[], bool],
                       request_stop: Callable[[], None]) -> None:
     """On the worker, while a fit runs: send ``placement`` first, then the new records of

@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 
 from carlskit._checks import instance, positive_int
+from carlskit._errors import RankFailedError
 from carlskit._history import History
 from carlskit._notebook import LoopDisplay
 from carlskit._step import make_train_step
@@ -31,7 +32,15 @@ from carlskit.cluster import restart_policy as restart_policy_of
 from carlskit.training._embeddings import BankEmbeddings, bank_embeddings_of
 from carlskit.training._knowledge import with_bank_recovery
 from carlskit.training._pipeline import Batch, Prefetcher
-from carlskit.training._remote import RemoteFit, RemoteResult, report_until_done, run_remote, worker_placement
+from carlskit.training._remote import (
+    RemoteFit,
+    RemoteResult,
+    group_placement,
+    report_until_done,
+    run_group,
+    run_remote,
+    worker_placement,
+)
 
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
 
@@ -172,8 +181,7 @@ class Trainer:
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
         self._mesh = None if _placed_on_a_mesh(self._state) else _data_mesh()
         if self._mesh is not None:
-            self._state = jax.device_put(self._state,
-                                         jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
+            self._state = _replicate(self._state, self._mesh)
         # No buffer donation: the model the user holds (and evaluates while training runs in the
         # background) shares arrays with the training state, and donated arrays are deleted.
         self._train_step = jax.jit(self._make_step())
@@ -205,8 +213,8 @@ class Trainer:
 
         Raises ``ValueError`` naming the leaves, and publishes nothing, when a weight or optimizer
         state holds NaN or an infinity (``fit`` never commits such a step, so this guards states set
-        by hand)."""
-        if self.checkpoints is None or self.checkpoints.latest() == self.step:
+        by hand). In a process group (``fit(processes=N)``) only process 0 publishes: one stream."""
+        if self.checkpoints is None or jax.process_index() != 0 or self.checkpoints.latest() == self.step:
             return None
         return self.checkpoints.save(self.checkpoint_tree(), version=self.step, metadata={"step": self.step},
                                      check_finite=True)
@@ -234,8 +242,7 @@ class Trainer:
         state at ``step``, placed on this process's devices, and sync it into the model."""
         self._state = nnx.State({0: tree["model"], 1: tree["optimizer"]})
         if self._mesh is not None:
-            self._state = jax.device_put(self._state,
-                                         jax.sharding.NamedSharding(self._mesh, jax.sharding.PartitionSpec()))
+            self._state = _replicate(self._state, self._mesh)
         self.step = int(step)
         self.sync()
 
@@ -252,6 +259,8 @@ class Trainer:
         workers: list[str] | str | None = None,
         resources: dict[str, float] | None = None,
         restart_policy: Any = None,
+        processes: int | None = None,
+        devices_per_process: int | None = None,
         callback: Callable[[dict], None] | None = None,
     ) -> History | FitHandle:
         """Train for ``steps`` steps on ``data`` (an iterable of batches or ``f(step) -> batch``).
@@ -276,8 +285,28 @@ class Trainer:
         the state comes back at the end (``last_placement`` says where it ran). A lost worker costs
         the steps since the last checkpoint: the fit is resubmitted under ``restart_policy`` (see
         :mod:`carlskit.training._remote`).
+
+        With ``processes=N`` (and a ``client``) the steps run as one JAX program over ``N`` fresh
+        processes on ``N`` workers (:func:`carlskit.cluster.run_spmd`; ``devices_per_process``
+        simulated CPU devices each, for tests): data parallel over the global mesh of every
+        process's devices, the state replicated, each process feeding its own rows of every global
+        batch (``data``'s leading dimension must split over all devices), so its knowledge stage
+        looks up only those rows in the bank. The result equals a one-process fit on the same
+        global batches up to float summation order. Process 0 alone publishes checkpoints (one
+        stream; the store must be reachable from every worker) and reports the records. Any rank's
+        failure ends every rank (:class:`carlskit.RankFailedError`); a lost worker relaunches the
+        group under ``restart_policy`` from the newest intact checkpoint; ``FitHandle.stop()`` ends
+        the ranks at once and the trainer takes the newest checkpoint.
         """
         steps, placement = self._check_fit(steps, client, workers, resources, restart_policy)
+        if processes is not None:
+            processes = positive_int(processes, "processes")
+            if client is None:
+                raise ValueError("processes= runs the fit as a process group on Dask workers: pass client= too")
+        if devices_per_process is not None:
+            devices_per_process = positive_int(devices_per_process, "devices_per_process")
+            if processes is None:
+                raise ValueError("devices_per_process= sets each process of a group: pass processes= too")
         if callback is not None and not callable(callback):
             raise TypeError(f"callback must be callable as callback(record), got {type(callback).__name__}")
         # Created here, in the calling thread: a notebook shows it in the cell that called fit, not in
@@ -292,7 +321,7 @@ class Trainer:
             run_steps = functools.partial(self._fit, data, steps, stop, display)
         else:
             run_steps = functools.partial(self._fit_remotely, client, data, steps, placement, restart_policy,
-                                          stop, display)
+                                          stop, display, processes, devices_per_process)
         if block:
             try:
                 run_steps()
@@ -350,9 +379,13 @@ class Trainer:
     def _source(self, data, first_step: int):
         if callable(data) and not hasattr(data, "__iter__"):
             counter = iter(range(first_step, 1 << 62))
-            return lambda: data(next(counter))
-        iterator = iter(data)
-        return lambda: next(iterator)
+            source = lambda: data(next(counter))  # noqa: E731
+        else:
+            iterator = iter(data)
+            source = lambda: next(iterator)  # noqa: E731
+        if jax.process_count() > 1 and self._mesh is not None:  # this process's rows, before the bank lookups
+            return lambda: _process_rows(source(), self._mesh.devices.size)
+        return source
 
     def _fit(self, data, steps: int, stop: threading.Event, display: LoopDisplay) -> None:
         if self.embeddings is not None:
@@ -442,6 +475,14 @@ class Trainer:
         size = self._mesh.devices.size
         spec = jax.sharding.PartitionSpec("data")
         replicated = jax.sharding.PartitionSpec()
+        if jax.process_count() > 1:  # this process's rows (_process_rows): one global array over every process
+            local = jax.local_device_count()
+            return {
+                k: jax.make_array_from_process_local_data(jax.sharding.NamedSharding(self._mesh, spec), np.asarray(v))
+                if np.ndim(v) and np.shape(v)[0] % local == 0
+                else jax.device_put(np.asarray(v), jax.sharding.NamedSharding(self._mesh, replicated))
+                for k, v in arrays.items()
+            }
         return {
             k: jax.device_put(v, jax.sharding.NamedSharding(
                 self._mesh, spec if np.ndim(v) and np.shape(v)[0] % size == 0 else replicated))
@@ -456,8 +497,10 @@ class Trainer:
                          self.check_finite, self.array_metrics, self.step, self.step + steps)
 
     def _fit_remotely(self, client: Any, data: Any, steps: int, placement: Placement, policy: Any,
-                      stop: threading.Event, display: LoopDisplay) -> None:
-        """Run ``steps`` steps on a worker (blocking; ``fit`` chose the thread), then adopt its result."""
+                      stop: threading.Event, display: LoopDisplay, processes: int | None = None,
+                      devices_per_process: int | None = None) -> None:
+        """Run ``steps`` steps on a worker, or on a process group of ``processes`` (blocking; ``fit``
+        chose the thread), then adopt its result."""
         self.sync()
         spec = self._remote_spec(steps)
         missing_before = getattr(self.knowledge, "missing_total", None)
@@ -471,8 +514,21 @@ class Trainer:
             self.remote_restarts += 1
 
         try:
-            result, received = run_remote(_fit_on_worker, spec, client, data, placement, policy, stop,
-                                          on_records=on_records, on_placement=self._placed, on_restart=on_restart)
+            if processes is None:
+                result, received = run_remote(_fit_on_worker, spec, client, data, placement, policy, stop,
+                                              on_records=on_records, on_placement=self._placed, on_restart=on_restart)
+            else:
+                result, received = run_group(_fit_in_group, spec, client, data, placement, restart_policy_of(policy),
+                                             stop, processes, devices_per_process, on_records=on_records,
+                                             on_placement=self._placed, on_restart=on_restart)
+        except RankFailedError as error:
+            if error.kind != "stopped":
+                raise
+            display.close()  # stopped: the ranks are gone; the newest checkpoint is where the fit got to
+            if self.checkpoints is not None and (self.checkpoints.latest() or 0) > self.step:
+                self.restore()
+            self.history[:] = [r for r in self.history if r["step"] <= self.step]
+            return
         finally:
             display.bar.close()
         self.adopt(result.state, result.step)
@@ -531,10 +587,57 @@ def _check_loss_output(output: Any, array_metrics: bool = False) -> tuple[jax.Ar
 
 
 def _data_mesh() -> jax.sharding.Mesh | None:
-    devices = jax.local_devices()
+    """A "data" mesh over every device of the program (every process's, in a process group)."""
+    devices = jax.devices()
     if len(devices) < 2:
         return None
     return jax.sharding.Mesh(np.array(devices), ("data",))
+
+
+def _replicate(state: Any, mesh: jax.sharding.Mesh) -> Any:
+    """``state`` replicated over ``mesh``; in a process group from host copies (the same on every
+    process: the same checkpoint or seed), since a device array of one process cannot be put on
+    another's devices."""
+    if jax.process_count() > 1:
+        state = jax.device_get(state)
+    return jax.device_put(state, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def _process_rows(batch: Batch, global_devices: int) -> Batch:
+    """This process's share of a global batch: rows ``[i * n / P, (i + 1) * n / P)`` of every
+    array whose leading dimension splits over all devices (as a one-process fit splits it);
+    other entries whole. Bank lookups then read only these rows."""
+    index, count = jax.process_index(), jax.process_count()
+
+    def rows(value: Any) -> Any:
+        if np.ndim(value) and np.shape(value)[0] % global_devices == 0:
+            share = np.shape(value)[0] // count
+            return value[index * share:(index + 1) * share]
+        return value
+
+    return {k: rows(v) if not k.startswith("_") else v for k, v in batch.items()}
+
+
+def _fit_in_group(spec: RemoteFit, data: Any) -> RemoteResult | None:
+    """The function every rank of a ``fit(client=..., processes=N)`` runs: rebuild the trainer over
+    the group's global mesh (at the newest checkpoint when a relaunch finds one), fit it to
+    ``spec.target_step`` on this process's rows, rank 0 reporting its records; rank 0 returns the
+    new state and what happened."""
+    from carlskit.cluster import report_progress
+
+    trainer = Trainer._from_spec(spec)
+    rank = jax.process_index()
+    if rank == 0:
+        report_progress({"placement": group_placement(trainer.step, jax.process_count())})
+    if spec.target_step > trainer.step:
+        trainer.fit(data, spec.target_step - trainer.step, progress=False, live=False,
+                    callback=report_progress if rank == 0 else None)
+    if rank != 0:
+        return None
+    resumed_from = trainer.history[0]["step"] - 1 if trainer.history else trainer.step
+    return RemoteResult(jax.device_get(trainer.checkpoint_tree()), trainer.step, list(trainer.history),
+                        group_placement(resumed_from, jax.process_count()), trainer.bank_recoveries,
+                        getattr(trainer.knowledge, "missing_total", None))
 
 
 def _fit_on_worker(spec: RemoteFit, data: Any) -> RemoteResult:
