@@ -97,9 +97,12 @@ def test_a_rank_failing_ends_the_group_fit_with_the_ranks_error(client):
     assert trainer.step == 0
 
 
-def test_processes_needs_a_client_and_devices_per_process_needs_processes():
+def test_processes_needs_a_client_and_devices_per_process_needs_processes(client):
     trainer = new_trainer()
     with pytest.raises(ValueError, match="client"):
         trainer.fit(tiny_models.sum_batch_16, 1, processes=2)
     with pytest.raises(ValueError, match="processes"):
-        trainer.fit(tiny_models.sum_batch_16, 1, client=object(), devices_per_process=2)
+        trainer.fit(tiny_models.sum_batch_16, 1, client=client, devices_per_process=2)
+    with pytest.raises(ValueError, match="processes"):
+        trainer.fit(tiny_models.sum_batch_16, 1, client=client, processes=0)
+    assert trainer.step == 0 and not trainer.history
