@@ -85,3 +85,33 @@ def resumable_steps(folder: str, steps: int, seconds_per_step: float) -> int:
             os.replace(path + ".tmp", path)
             report_progress({"step": step})
     return steps - start
+
+
+def moe_forward_and_training() -> dict:
+    """An 8-expert MoEModel over every device of the program (experts split over all of them, so the
+    dispatch's all-to-all crosses processes in a group): loss, routing and gradients on fixed tokens,
+    then three training steps. The same on 1 device (no mesh), 1 x 8 and 2 x 4 processes x devices."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from carlskit.moe import MoEModel, make_mesh
+
+    mesh = make_mesh(1, jax.device_count(), devices=jax.devices()) if jax.device_count() > 1 else None
+    tokens = np.random.default_rng(0).integers(0, 32, (16, 9)).astype(np.int32)
+    model = MoEModel(32, 2, 16, 2, 8, max_length=8, mesh=mesh, capacity_factor=1.0, seed=1)
+    graphdef, state = nnx.split(model)
+
+    def loss(state, tokens):
+        return nnx.merge(graphdef, state).loss_and_metrics(tokens, rng=jax.random.key(7))
+
+    step = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    batch = model.shard_batch(tokens)
+    (value, metrics), grads = step(state, batch)
+    hlo = step.lower(state, batch).compile().as_text()
+    grad_norm = float(jax.device_get(sum(jax.numpy.sum(g ** 2) for g in jax.tree.leaves(grads))))
+    history = model.fit(tokens, steps=3, batch_size=8, learning_rate=1e-2, seed=0)
+    return {"loss": float(jax.device_get(value)), "expert_load": np.asarray(jax.device_get(metrics["expert_load"])),
+            "dropped": float(jax.device_get(metrics["dropped_tokens"])), "grad_norm": grad_norm,
+            "training": [float(v) for v in history.column("cross_entropy")],
+            "all_to_all": hlo.count(" all-to-all("), "processes": jax.process_count(), "devices": jax.device_count()}
