@@ -67,8 +67,10 @@ LIVENESS_SECONDS = 1.0
 #: Lines of each rank's output kept for the error message.
 TAIL_LINES = 40
 #: Runtime chatter dropped from the forwarded output (kept in the error tails): gloo's connection
-#: lines (one per collective group, four per rank on the first step) and absl's pre-init notice.
-QUIET_PATTERNS = re.compile(r"^\[Gloo\] Rank \d+ is connected to|^WARNING: All log messages before absl::InitializeLog")
+#: lines (one per collective group and rank, printed from several threads at once, so interleaved),
+#: absl's pre-init notice, and JAX's preemption notifier announcing the SIGTERM that ends a group.
+QUIET_PATTERNS = re.compile(r"\[Gloo\]|connected peer ranks|^WARNING: All log messages before absl::InitializeLog|"
+                            r"preemption_notifier\.cc.*SIGTERM caught")
 _RECORD_HEADER = struct.Struct("<I")
 
 
