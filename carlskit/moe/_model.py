@@ -75,7 +75,11 @@ class MoEModel(nnx.Module):
     With ``mesh`` (a ``jax.sharding.Mesh`` with axes "data" and "expert"): parameters are placed
     at construction (expert weights split over "expert", the rest replicated), the batch is split
     over all devices and the expert dispatch is an all-to-all. The same ``seed`` gives the same
-    parameters with or without a mesh.
+    parameters with or without a mesh. In a process group (:func:`carlskit.cluster.run_spmd`), a
+    mesh over ``jax.devices()`` spans every process: each builds the model with the same ``seed``
+    and feeds the same global batch, the experts are split across the processes and the
+    all-to-all crosses them (2 processes x 4 devices equal 1 x 8 and one device:
+    ``tests/moe/test_moe_processes.py``).
     """
 
     def __init__(
