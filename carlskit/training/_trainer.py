@@ -225,6 +225,9 @@ class Trainer:
         why); an explicitly requested damaged version raises :class:`carlskit.CorruptFileError`."""
         if self._fitting:
             raise RuntimeError("cannot restore while a fit is running; stop() or wait() on its FitHandle first")
+        return self._restore(version)
+
+    def _restore(self, version: int | None = None) -> bool:
         if self.checkpoints is None:
             return False
         if version is None:
@@ -526,7 +529,7 @@ class Trainer:
                 raise
             display.close()  # stopped: the ranks are gone; the newest checkpoint is where the fit got to
             if self.checkpoints is not None and (self.checkpoints.latest() or 0) > self.step:
-                self.restore()
+                self._restore()
             self.history[:] = [r for r in self.history if r["step"] <= self.step]
             return
         finally:

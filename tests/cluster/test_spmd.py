@@ -3,6 +3,7 @@ ranks ending together on any failure, relaunched after a lost worker under a res
 
 from __future__ import annotations
 
+import _thread
 import re
 import socket
 import threading
@@ -113,6 +114,20 @@ def test_a_rank_that_never_reaches_the_collective_is_ended_at_the_timeout(client
     assert caught.value.kind == "timed out" and "timeout=20 s" in str(caught.value)
     assert time.monotonic() - started < 20 + 15  # the timeout plus the kill grace and launch
     assert_group_gone(output)
+
+
+def test_an_interrupt_in_the_caller_ends_every_rank(client):
+    output = Output()
+    interrupt = threading.Timer(12, _thread.interrupt_main)  # as the notebook's stop button does
+    interrupt.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_spmd(client, spmd_functions.rank_one_hangs, processes=2, devices_per_process=1, output=output)
+    finally:
+        interrupt.cancel()
+    assert_group_gone(output)
+    print(f"interrupted and every rank gone {time.monotonic() - started - 12:.1f} s after the interrupt")
 
 
 def test_a_lost_worker_ends_every_rank_and_a_restart_policy_resumes_the_group(client, tmp_path):

@@ -9,6 +9,7 @@ import threading
 import jax
 import numpy as np
 import optax
+import psutil
 import pytest
 import tiny_models
 from flax import nnx
@@ -84,6 +85,21 @@ def test_a_lost_worker_mid_fit_relaunches_the_group_from_its_newest_checkpoint(c
     for got, want in zip(parameters(trainer), parameters(one_process)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     client.wait_for_workers(2, timeout=120)
+
+
+def test_stopping_a_background_group_fit_ends_its_ranks_at_the_newest_checkpoint(client, tmp_path):
+    store = tmp_path / "ckpt"
+    trainer = new_trainer(checkpoints=store, checkpoint_every=2)
+    handle = trainer.fit(tiny_models.slow_sum_batch_16, 200, client=client, processes=2, devices_per_process=4,
+                         progress=False, live=False, block=False)
+    wait_until(lambda: (CheckpointStore(store).latest() or 0) >= 4, seconds=120)
+    handle.stop()
+    assert handle.done
+    latest = CheckpointStore(store).latest()
+    assert 4 <= latest < 200 and trainer.step == latest  # the trainer holds the newest checkpoint
+    assert [r["step"] for r in trainer.history] == list(range(1, latest + 1))
+    wait_until(lambda: not [p for p in psutil.process_iter(["cmdline"])
+                            if "carlskit.cluster._rank" in " ".join(p.info["cmdline"] or ())], seconds=10)
 
 
 def test_a_rank_failing_ends_the_group_fit_with_the_ranks_error(client):
