@@ -381,7 +381,7 @@ class _Group:
             return self._follow(futures, chosen, queue, stop)
         finally:
             stop.set()
-            self._wind_down(futures, queue)
+            self._wind_down(futures, chosen, queue)
 
     def _drain(self, queue: Any) -> None:
         for batch in queue.get(batch=True):
@@ -447,11 +447,16 @@ class _Group:
         first.value.__cause__ = first.cause
         return first.value
 
-    def _wind_down(self, futures: list, queue: Any) -> None:
+    def _wind_down(self, futures: list, chosen: list[str], queue: Any) -> None:
         """After the group ends: let every task end its rank (stop is set), drain the last output,
-        cancel tasks stuck on a lost worker."""
+        cancel tasks stuck on a lost worker (at once: they would wait for its address forever)."""
+        try:
+            live = live_workers(self.client)
+        except Exception:  # noqa: BLE001 - no answer: wait for every task as below
+            live = set(chosen)
+        waiting = [f for f, address in zip(futures, chosen) if address in live]
         deadline = time.monotonic() + KILL_GRACE_SECONDS + 5.0
-        while time.monotonic() < deadline and any(f.status == "pending" for f in futures):
+        while time.monotonic() < deadline and any(f.status == "pending" for f in waiting):
             time.sleep(POLL_SECONDS)
         try:
             self._drain(queue)
