@@ -31,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -42,11 +43,13 @@ BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, 
 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
-    """Bytes of the results of each kind of collective in a compiled program's text (per process)."""
+    """Bytes of the results of each kind of collective in a compiled program's text (per process),
+    and the number of ops of each kind (``KIND_ops``)."""
     totals = dict.fromkeys(COLLECTIVES, 0)
     for line in hlo.splitlines():
         for kind in COLLECTIVES:
             if f" {kind}(" in line or f" {kind}-start(" in line:
+                totals[f"{kind}_ops"] = totals.get(f"{kind}_ops", 0) + 1
                 shape = line.split("=", 1)[1].split(f" {kind}", 1)[0]
                 for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
                     count = 1
@@ -99,6 +102,9 @@ def rank_measurements(width: int, batches: tuple[int, ...], steps: int, skip: in
             placed = trainer._place(trainer._source(lambda step: batch, 0)())
             result["dp_bytes"] = collective_bytes(trainer._train_step.lower(trainer._state, placed).compile().as_text())
 
+    if count > 1:  # the lever: the same data-parallel step by hand, gradients summed in float32 or bfloat16
+        result.update(gradient_precision_steps(width, batches[-1], steps, skip))
+
     mesh = make_mesh(1, jax.device_count(), devices=jax.devices()) if jax.device_count() > 1 else None
     model = MoEModel(256, 2, 128, 4, 8, max_length=64, mesh=mesh, capacity_factor=2.0, seed=0)
     tokens = np.random.default_rng(1).integers(0, 256, (moe_batch * count * 4, 65)).astype(np.int32)
@@ -122,6 +128,48 @@ def rank_measurements(width: int, batches: tuple[int, ...], steps: int, skip: in
         result["allreduce_seconds"] = seconds
         result["allreduce_gbps"] = elements * 4 / seconds / 1e9
     return result
+
+
+def gradient_precision_steps(width: int, per_process: int, steps: int, skip: int) -> dict:
+    """Step time of a hand-written data-parallel step (``jax.shard_map``: local gradients, one
+    ``psum`` per layer's weights) with the gradients communicated in float32 and in bfloat16 (half
+    the bytes; summed in bfloat16, cast back)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((jax.device_count(),), ("data",), devices=jax.devices())
+    rng = np.random.default_rng(0)  # the same weights on every process (NumPy, not one device's draw)
+    weights = [jax.device_put((rng.normal(size=(width, width)) / np.sqrt(width)).astype(np.float32),
+                              NamedSharding(mesh, P())) for _ in range(3)]
+    rows = per_process * jax.process_count()
+    x = np.random.default_rng(0).normal(size=(rows, width)).astype(np.float32)
+    local = x[jax.process_index() * per_process:(jax.process_index() + 1) * per_process]
+    batch = jax.make_array_from_process_local_data(NamedSharding(mesh, P("data")), local)
+
+    def loss(ws, x):
+        for w in ws:
+            x = jax.nn.relu(x @ w)
+        return jnp.mean((x.mean(axis=1) - 1.0) ** 2)
+
+    out: dict = {}
+    for name, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+        def step(ws, x, dtype=dtype):
+            grads = jax.grad(loss)(ws, x)
+            summed = [jax.lax.psum(g.astype(dtype), "data").astype(jnp.float32) / jax.device_count() for g in grads]
+            return [w - 1e-3 * g for w, g in zip(ws, summed)]
+
+        sharded = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(P(), P("data")), out_specs=P()))
+        ws, times = weights, []
+        for _ in range(steps):
+            started = time.perf_counter()
+            ws = sharded(ws, batch)
+            jax.block_until_ready(ws)
+            times.append(time.perf_counter() - started)
+        out[f"manual_step_{name}"] = float(np.mean(times[skip:]))
+    return out
 
 
 def main() -> None:
@@ -166,6 +214,9 @@ def main() -> None:
         results[f"{label}_ms"] = {"1proc_x2": 1e3 * medians(samples)["one"], "2proc": 1e3 * medians(samples)["two"]}
     results["dp_collective_bytes_per_step"] = runs["two"][-1]["dp_bytes"]
     results["moe_collective_bytes_per_step"] = runs["two"][-1]["moe_bytes"]
+    for name in ("f32", "bf16"):
+        results[f"manual_dp_step_{name}_ms"] = 1e3 * statistics.median(r[f"manual_step_{name}"] for r in runs["two"])
+    results["bf16_gradients_step_over_f32"] = results["manual_dp_step_bf16_ms"] / results["manual_dp_step_f32_ms"]
     results["allreduce_gbps"] = float(sorted(r["allreduce_gbps"] for r in runs["two"])[len(runs["two"]) // 2])
     results["allreduce_ms"] = 1e3 * float(sorted(r["allreduce_seconds"] for r in runs["two"])[len(runs["two"]) // 2])
     print(json.dumps(results))
