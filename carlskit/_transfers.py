@@ -12,6 +12,10 @@ its input pipeline, ``TranslationModel.generate`` and ``LearnedOptimizer.meta_tr
 step after their first (which compiles) under that level. The intended transfers are explicit and
 stay allowed: the batch in (``jax.device_put``) and the scalars the history and display need
 (``jax.device_get``). Unset (the default), the loops pay nothing.
+
+On CPU the guard catches host-to-device and device-to-device transfers (several simulated devices);
+reading a CPU array (``float(x)``, ``np.asarray(x)``) moves nothing there, so device-to-host ones
+fire only on an accelerator: the loops make those explicit all the same.
 """
 
 from __future__ import annotations

@@ -6,6 +6,12 @@ The guard fires on CPU as on a GPU, so an implicit transfer that would stall an 
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -13,6 +19,8 @@ import pytest
 from tiny_models import Linear, mse, sum_batch
 
 from carlskit.training import Trainer
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -48,3 +56,28 @@ def test_without_the_variable_nothing_is_guarded():
         return {key: jnp.asarray(value) for key, value in sum_batch(step).items()}
 
     assert len(Trainer(Linear(), optax.sgd(0.1), mse).fit(device_batch, 4, progress=False, live=False)) == 4
+
+
+MESH_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, "tests")
+    import optax
+    from tiny_models import Linear, mse, sum_batch
+    from carlskit.training import Trainer
+    trainer = Trainer(Linear(), optax.sgd(0.1), mse)
+    assert trainer._mesh is not None and trainer._mesh.devices.size == 4
+    print(len(trainer.fit(sum_batch, 4, progress=False, live=False)))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_fit_over_four_devices_splits_the_batch_explicitly():
+    env = {**os.environ, "CARLSKIT_TRANSFER_GUARD": "disallow", "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    completed = subprocess.run([sys.executable, "-c", MESH_SCRIPT], env=env, capture_output=True, text=True,
+                               timeout=200, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert completed.stdout.strip().splitlines()[-1] == "4"
