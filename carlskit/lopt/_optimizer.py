@@ -24,6 +24,7 @@ from carlskit._checks import choice, integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
 from carlskit._history import History
 from carlskit._notebook import LoopDisplay
+from carlskit._transfers import steady_state
 from carlskit.lopt._checks import check_meta_params, check_real_floating, check_same_layout
 from carlskit.lopt._inner import train_task, train_tasks_vectorized
 from carlskit.lopt._io import load_meta_params, meta_params_file, save_meta_params
@@ -239,15 +240,18 @@ class LearnedOptimizer:
                               curves=("outer_loss",), title=f"{estimator.upper()} meta-training, {num_tasks} tasks",
                               postfix="outer_loss", plot_every=plot_every, plot_seconds=0.5)
         started = time.monotonic()
+        warm_tasks = set()  # task structures whose estimator is compiled (and, for PES, its state made)
         for outer_step in range(num_outer_steps):
             task, step_key, init_key = stream.next()
-            record = worker_estimate(estimators, state.meta_params, task, step_key, state.outer_step,
-                                     init_key=init_key)
-            try:
-                state, _ = learner_apply(state, [record], config)
-            except FloatingPointError as error:
-                raise FloatingPointError(f"meta_train: {error} (outer step {outer_step}, "
-                                         f"meta_learning_rate={meta_learning_rate})") from None
+            with steady_state(warm=task in warm_tasks):
+                record = worker_estimate(estimators, state.meta_params, task, step_key, state.outer_step,
+                                         init_key=init_key)
+                try:
+                    state, _ = learner_apply(state, [record], config)
+                except FloatingPointError as error:
+                    raise FloatingPointError(f"meta_train: {error} (outer step {outer_step}, "
+                                             f"meta_learning_rate={meta_learning_rate})") from None
+            warm_tasks.add(task)
             history.append({"step": outer_step + 1, "outer_loss": record["outer_loss"],
                             "nan_fraction": record["nan_fraction"]})
             display.record(history[-1])

@@ -100,10 +100,14 @@ def worker_estimate(estimators: Estimators, meta_params: PyTree, task: Task, key
     the learner's meta-parameters of ``outer_step``."""
     started = time.perf_counter()
     grad, metrics = estimators.estimate(meta_params, task, key, init_key)
-    return {"id": f"{worker}-{uuid.uuid4().hex}", "grad": [np.asarray(g) for g in jax.tree.leaves(grad)],
+    # The record is host data (it travels to the learner): one explicit transfer for all of it,
+    # not one implicit transfer (and wait) per leaf and number.
+    grad, losses, outer_loss, nan_fraction = jax.device_get(
+        (jax.tree.leaves(grad), metrics["pair_losses"], metrics["outer_loss"], metrics["nan_fraction"]))
+    return {"id": f"{worker}-{uuid.uuid4().hex}", "grad": [np.asarray(g) for g in grad],
             "outer_step": int(outer_step), "task_family": task_label(task),
-            "losses": np.asarray(metrics["pair_losses"]), "outer_loss": float(metrics["outer_loss"]),
-            "nan_fraction": float(metrics["nan_fraction"]), "worker": worker,
+            "losses": np.asarray(losses), "outer_loss": float(outer_loss),
+            "nan_fraction": float(nan_fraction), "worker": worker,
             "seconds": time.perf_counter() - started}
 
 
@@ -280,7 +284,9 @@ def learner_apply(state: LearnerState, records: list, config: LearnerConfig) -> 
         return state, verdict
     leaves = [np.mean([np.asarray(r["grad"][i], np.float32) for r in verdict.fresh], axis=0)
               for i in range(len(config.shapes))]
-    grad = jax.tree.unflatten(config.treedef, leaves)
+    # the records' mean gradient in by one explicit transfer (host arrays handed to the jitted
+    # update would each be an implicit one)
+    grad = jax.device_put(jax.tree.unflatten(config.treedef, leaves))
     meta_params, outer_state = config.apply(state.meta_params, state.outer_state, grad)
     if not all_finite(meta_params):
         raise FloatingPointError(f"the meta-parameters became non-finite at outer step {state.outer_step}; "
@@ -291,7 +297,7 @@ def learner_apply(state: LearnerState, records: list, config: LearnerConfig) -> 
 def all_finite(tree: PyTree) -> bool:
     """One device-to-host transfer for the whole tree."""
     leaves = jax.tree.leaves(tree)
-    return bool(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))) if leaves else True
+    return bool(jax.device_get(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))) if leaves else True
 
 
 # ----------------------------------------------------------------------------------- self-training

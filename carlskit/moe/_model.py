@@ -153,20 +153,20 @@ class MoEModel(nnx.Module):
     def shard_batch(self, tokens: Any) -> jax.Array:
         """Checked int32 tokens [B, L], split over all devices of the mesh (if any)."""
         if not isinstance(tokens, jax.Array):
-            self._check_tokens(np.asarray(tokens), "tokens")  # host data: value check costs no sync
-        tokens = jnp.asarray(tokens)
+            tokens = self._check_tokens(np.asarray(tokens), "tokens")  # host data: value check costs no sync
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an int array [batch, length], got {tokens.dtype} {tokens.shape}")
         if tokens.shape[1] < 2:
             raise ValueError(f"tokens must have length >= 2 (inputs and next-token targets), got {tokens.shape}")
         if tokens.shape[1] > self.max_length + 1:
             raise ValueError(f"tokens length {tokens.shape[1]} exceeds max_length + 1 = {self.max_length + 1}")
-        tokens = tokens.astype(jnp.int32)
-        if self.mesh is not None:
-            if tokens.shape[0] % self.mesh.size:
-                raise ValueError(f"batch {tokens.shape[0]} must be divisible by the mesh size {self.mesh.size}")
-            tokens = jax.device_put(tokens, NamedSharding(self.mesh, PartitionSpec(BATCH_AXES)))
-        return tokens
+        tokens = tokens.astype(np.int32)  # host data is cast on the host
+        if self.mesh is not None and tokens.shape[0] % self.mesh.size:
+            raise ValueError(f"batch {tokens.shape[0]} must be divisible by the mesh size {self.mesh.size}")
+        # Host data in by one explicit transfer, straight to its devices (jnp.asarray would be an
+        # implicit one, and a second copy with a mesh); a device array stays where it is without a mesh.
+        sharding = None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec(BATCH_AXES))
+        return jax.device_put(tokens, sharding)
 
     def _check_tokens(self, data: np.ndarray, name: str, *, min_length: int = 2) -> np.ndarray:
         """Host-side check of token ids [N, L]: integer dtype, 0 <= id < vocab_size.
@@ -284,10 +284,10 @@ class MoEModel(nnx.Module):
         # The rows of every step, drawn up front as the loop used to draw them one step at a time:
         # a batch is then a function of its step, whatever the Trainer's pipeline prefetches.
         rows = np.random.default_rng(seed).integers(0, len(data), (steps, batch_size))
-        routing_key = jax.random.key(seed)
+        routing_key_at = step_routing_keys(seed, self.mesh)
 
         def batch_at(step: int) -> dict:
-            return {"tokens": self.shard_batch(data[rows[step]]), "rng": jax.random.fold_in(routing_key, step)}
+            return {"tokens": self.shard_batch(data[rows[step]]), "rng": routing_key_at(step)}
 
         trainer = Trainer(self, optimizer or optax.adam(learning_rate), _tokens_loss, check_finite=False,
                           array_metrics=True)
@@ -446,9 +446,24 @@ def _loss_fn(graphdef: nnx.GraphDef, state: nnx.State, tokens: jax.Array, rng: j
     return nnx.merge(graphdef, state).loss_and_metrics(tokens, rng=rng)
 
 
+def step_routing_keys(seed: int, mesh: Mesh | None) -> Callable[[int], jax.Array]:
+    """``key_at(step)``: training step ``step``'s routing key, ``fold_in(key(seed), step)``, as raw
+    key data replicated over ``mesh`` (the losses wrap it back), made without implicit transfers."""
+    replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+    key = jax.device_put(jax.random.key(seed), replicated)  # where the step uses it: no copy per step
+
+    def key_at(step: int) -> jax.Array:
+        # The step goes in explicitly (fold_in would transfer the Python int implicitly), and the key
+        # leaves as raw data: a typed key handed to a jitted function on a mesh of several devices is
+        # copied device to device at every call (JAX 0.10 finds its P() unequal to its data's P(None)).
+        return jax.random.key_data(jax.random.fold_in(key, jax.device_put(np.uint32(step), replicated)))
+
+    return key_at
+
+
 def _tokens_loss(model: MoEModel, batch: dict) -> tuple[jax.Array, dict]:
-    """The training step's loss: ``batch`` holds the ``tokens`` and the step's routing ``rng``."""
-    return model.loss_and_metrics(batch["tokens"], rng=batch["rng"])
+    """The training step's loss: ``batch`` holds the ``tokens`` and the step's routing ``rng`` (raw key data)."""
+    return model.loss_and_metrics(batch["tokens"], rng=jax.random.wrap_key_data(batch["rng"]))
 
 
 _eval_step = jax.jit(_loss_fn, static_argnames=("graphdef",))

@@ -36,8 +36,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from carlskit._checks import choice, finite_float, integer, positive_float, positive_int
 from carlskit._history import History
+from carlskit._transfers import steady_state
 from carlskit.moe._layers import BATCH_AXES, MoEFeedForward, _scaled_normal
-from carlskit.moe._model import _checked_mesh, _moe_options, feed_forward_for_layer, place_parameters
+from carlskit.moe._model import _checked_mesh, _moe_options, feed_forward_for_layer, place_parameters, step_routing_keys
 from carlskit.moe._sharding import split
 
 PAD, BOS, EOS = 256, 257, 258
@@ -312,12 +313,11 @@ class TranslationModel(nnx.Module):
 
     def shard_batch(self, rows: np.ndarray) -> jax.Array:
         """int32 rows on the device(s): split over all devices of the mesh (if any)."""
-        rows = jnp.asarray(rows, jnp.int32)
-        if self.mesh is not None:
-            if rows.shape[0] % self.mesh.size:
-                raise ValueError(f"batch {rows.shape[0]} must be divisible by the mesh size {self.mesh.size}")
-            rows = jax.device_put(rows, NamedSharding(self.mesh, PartitionSpec(BATCH_AXES)))
-        return rows
+        rows = np.asarray(rows, np.int32)
+        if self.mesh is not None and rows.shape[0] % self.mesh.size:
+            raise ValueError(f"batch {rows.shape[0]} must be divisible by the mesh size {self.mesh.size}")
+        # one explicit transfer, straight to the devices (jnp.asarray would be an implicit one)
+        return jax.device_put(rows, None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec(BATCH_AXES)))
 
     # ----------------------------------------------------------------------------- training
     def fit(
@@ -365,11 +365,11 @@ class TranslationModel(nnx.Module):
         if not steps:
             return History()
         rows = np.random.default_rng(seed).integers(0, len(source), (steps, batch_size))  # as drawn step by step
-        key = jax.random.key(seed)
+        key_at = step_routing_keys(seed, self.mesh)
 
         def batch_at(step: int) -> dict:
             return {"source": self.shard_batch(source[rows[step]]), "target": self.shard_batch(target[rows[step]]),
-                    "rng": jax.random.fold_in(key, step)}
+                    "rng": key_at(step)}
 
         started = time.perf_counter()
 
@@ -411,8 +411,11 @@ class TranslationModel(nnx.Module):
             rows = source[start : start + batch_size]
             padded = np.concatenate([rows, np.full((batch_size - len(rows), rows.shape[1]), PAD, np.int32)])
             padded[len(rows):, 0] = FIRST_TAG
-            out = _beam_search(graphdef, state, jnp.asarray(padded), beam_size, float(alpha), cached)
-            outputs.append(np.asarray(out)[: len(rows)])
+            # Explicit transfers only: the batch's source ids in, its output ids out (the first batch
+            # compiles; every later one is a steady-state step).
+            with steady_state(warm=start > 0):
+                out = _beam_search(graphdef, state, jax.device_put(padded), beam_size, float(alpha), cached)
+                outputs.append(jax.device_get(out)[: len(rows)])
         return np.concatenate(outputs) if outputs else np.zeros((0, self.max_target_length), np.int32)
 
 
@@ -436,7 +439,7 @@ def _optimizer(optimizer: Any, learning_rate: float | None) -> optax.GradientTra
 
 
 def _pairs_loss(model: TranslationModel, batch: dict) -> tuple[jax.Array, dict]:
-    return model.loss_and_metrics(batch["source"], batch["target"], rng=batch["rng"])
+    return model.loss_and_metrics(batch["source"], batch["target"], rng=jax.random.wrap_key_data(batch["rng"]))
 
 
 def _output_mask(vocab_size: int) -> jax.Array:

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from carlskit._checks import positive_int
+from carlskit._transfers import steady_state
 
 Batch = dict[str, Any]
 
@@ -43,14 +44,18 @@ class Prefetcher:
         return False
 
     def _run(self) -> None:
+        made = 0
         try:
             while not self._stop.is_set():
-                try:
-                    batch = self._source()
-                except StopIteration:
-                    break
-                if self._knowledge is not None:
-                    batch = self._knowledge(batch)
+                # the transfer guard of the training steps holds here too (its thread's own setting)
+                with steady_state(warm=made > 0):
+                    try:
+                        batch = self._source()
+                    except StopIteration:
+                        break
+                    if self._knowledge is not None:
+                        batch = self._knowledge(batch)
+                made += 1
                 if not self._put(batch):
                     return
         except BaseException as error:  # handed to the consumer, which re-raises it

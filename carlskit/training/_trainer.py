@@ -25,6 +25,7 @@ from carlskit._errors import RankFailedError
 from carlskit._history import History
 from carlskit._notebook import LoopDisplay
 from carlskit._step import make_train_step
+from carlskit._transfers import steady_state
 from carlskit.bank import ShardLostError
 from carlskit.checkpoints import CheckpointStore
 from carlskit.cluster import Placement
@@ -400,13 +401,14 @@ class Trainer:
             display.close()
             raise
         try:
-            for _ in range(steps):
+            for index in range(steps):
                 if stop.is_set():
                     break
                 batch = self._next_batch(prefetcher)
                 if batch is None:
                     break
-                record = self._step_on(batch)
+                with steady_state(warm=index > 0):  # the first step may compile
+                    record = self._step_on(batch)
                 self.history.append(record)
                 display.record(record)
                 if self.step % self.checkpoint_every == 0:
@@ -440,7 +442,9 @@ class Trainer:
     def _step_on(self, batch: Batch) -> dict:
         """One step on ``batch``, committed only if its loss and new state are finite; its record."""
         statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
-        arrays = self._place({k: v for k, v in batch.items() if not k.startswith("_")})
+        # The batch in, the step's one intended host-to-device transfer, made explicit: without a
+        # mesh _place leaves NumPy arrays that the jitted step would transfer implicitly.
+        arrays = jax.device_put(self._place({k: v for k, v in batch.items() if not k.startswith("_")}))
         start = time.perf_counter()
         try:
             state, loss, metrics, finite, *row_gradients = self._train_step(self._state, arrays)
