@@ -450,7 +450,9 @@ def step_routing_keys(seed: int, mesh: Mesh | None) -> Callable[[int], jax.Array
     """``key_at(step)``: training step ``step``'s routing key, ``fold_in(key(seed), step)``, as raw
     key data replicated over ``mesh`` (the losses wrap it back), made without implicit transfers."""
     replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-    key = jax.device_put(jax.random.key(seed), replicated)  # where the step uses it: no copy per step
+    # where the step uses it, no copy per step; from host data, which a mesh spanning several processes
+    # accepts (a device array of this process cannot be put on another process's devices)
+    key = jax.random.wrap_key_data(jax.device_put(np.asarray(jax.random.key_data(jax.random.key(seed))), replicated))
 
     def key_at(step: int) -> jax.Array:
         # The step goes in explicitly (fold_in would transfer the Python int implicitly), and the key

@@ -444,7 +444,10 @@ class Trainer:
         statistics = {k[1:]: v for k, v in batch.items() if k.startswith("_")}
         # The batch in, the step's one intended host-to-device transfer, made explicit: without a
         # mesh _place leaves NumPy arrays that the jitted step would transfer implicitly.
-        arrays = jax.device_put(self._place({k: v for k, v in batch.items() if not k.startswith("_")}))
+        # (jax.Arrays are placed already: a process group's span other processes' devices, where a
+        # device_put without a sharding cannot go.)
+        arrays = {k: v if isinstance(v, jax.Array) else jax.device_put(v)
+                  for k, v in self._place({k: v for k, v in batch.items() if not k.startswith("_")}).items()}
         start = time.perf_counter()
         try:
             state, loss, metrics, finite, *row_gradients = self._train_step(self._state, arrays)
