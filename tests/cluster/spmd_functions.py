@@ -115,3 +115,16 @@ def moe_forward_and_training() -> dict:
             "dropped": float(jax.device_get(metrics["dropped_tokens"])), "grad_norm": grad_norm,
             "training": [float(v) for v in history.column("cross_entropy")],
             "all_to_all": hlo.count(" all-to-all("), "processes": jax.process_count(), "devices": jax.device_count()}
+
+
+def progress_then_rank_one_hangs() -> float:
+    """Both ranks finish a step (rank 0 reports it), then rank 1 stops before the next collective."""
+    import jax
+
+    from carlskit.cluster import report_progress
+
+    _all_reduce()
+    report_progress({"step": 1})
+    if jax.process_index() == 1:
+        time.sleep(3600)
+    return _all_reduce()

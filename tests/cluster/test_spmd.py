@@ -116,6 +116,15 @@ def test_a_rank_that_never_reaches_the_collective_is_ended_at_the_timeout(client
     assert_group_gone(output)
 
 
+def test_a_group_without_progress_for_stall_timeout_is_ended(client):
+    output = Output()
+    with pytest.raises(RankFailedError) as caught:
+        run_spmd(client, spmd_functions.progress_then_rank_one_hangs, processes=2, devices_per_process=1,
+                 output=output, stall_timeout=5)
+    assert caught.value.kind == "timed out" and "stall_timeout=5 s" in str(caught.value)
+    assert_group_gone(output)
+
+
 def test_an_interrupt_in_the_caller_ends_every_rank(client):
     output = Output()
     interrupt = threading.Timer(12, _thread.interrupt_main)  # as the notebook's stop button does
