@@ -58,6 +58,9 @@ MAX_PENDING_LIMIT = 100_000_000
 MAX_BINS = 65_536
 MAX_SAMPLES = 1 << 20
 MAX_TEXT_BYTES = (1 << 31) - 1  # lengths are u32 in the file format
+#: A logging call that finds the flush overdue waits at most this long for a flush in progress (then
+#: logs on, leaving a stuck flush, e.g. a hung aggregator, to the background thread).
+OVERDUE_WAIT_SECONDS = 10.0
 
 
 _open_writers: weakref.WeakSet = weakref.WeakSet()
@@ -147,7 +150,8 @@ class SummaryWriter:
     after a point was logged has returned, the point is in the files (acknowledged by its
     aggregator, with a client): a SIGKILL loses at most the points logged in the last
     ``flush_every_seconds`` plus one flush's duration, however busy the logging loop keeps the
-    GIL. While a shard is recovering or a write fails, calls leave the flushing to the background.
+    GIL. While a shard is recovering, a write fails or a flush takes over ``OVERDUE_WAIT_SECONDS``,
+    calls leave the flushing to the background.
 
     Backpressure: at most ``max_pending`` entries are held (buffered plus sent but not
     acknowledged). A logging call that finds the bound reached blocks until acknowledgements make
@@ -457,17 +461,23 @@ class SummaryWriter:
         SIGKILL lost points logged up to 0.29 s before it (over a second under heavier load, where
         the thread waits longer for the GIL). With this rule, the logging call flushes whenever the
         background thread is late, which no scheduling can delay."""
-        if self._delivery.files is None and not self._delivery.all_healthy():
-            # a shard is recovering: the background thread serves it every 50 ms; the caller logs on
-            self._flush_due = began + self.flush_every_seconds
+        # A background flush in progress ends first (its batches are acknowledged when it returns);
+        # one stuck longer than OVERDUE_WAIT_SECONDS (a hung aggregator) is left to the background.
+        if not self._flush_lock.acquire(timeout=OVERDUE_WAIT_SECONDS):
+            self._flush_due = time.monotonic() + self.flush_every_seconds
             return
-        with self._flush_lock:  # a background flush in progress ends first
+        try:
             if began <= self._flush_due:
                 return  # that flush took everything logged a period before the call
-            try:
-                self._flush_step()
-            except BaseException as error:  # raised by the next call, as a background error is
-                self._set_error(error)
+            if not self._delivery.all_healthy():
+                # a shard is recovering: the background thread serves it every 50 ms; the caller logs on
+                self._flush_due = time.monotonic() + self.flush_every_seconds
+                return
+            self._flush_step()
+        except BaseException as error:  # raised by the next call, as a background error is
+            self._set_error(error)
+        finally:
+            self._flush_lock.release()
 
     def flush(self) -> None:
         """Write everything logged so far; return once every shard's aggregator has acknowledged it
