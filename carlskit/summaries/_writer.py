@@ -456,8 +456,8 @@ class SummaryWriter:
         was logged a period before ``began`` is in the files when the call returns.
 
         Measured (issue 43, 2-core machine, 20 scalars a step logged flat out, period 0.1 s): the
-        background thread alone shares the GIL with the logging loop and flushed every 0.16-0.17 s
-        on average (up to 0.28 s apart), each flush taking up to 0.14 s for up to 160k entries; a
+        background thread alone shares the GIL with the logging loop and flushed every 0.14-0.23 s
+        on average (up to 0.27 s apart), each flush taking up to 0.14 s for up to 160k entries; a
         SIGKILL lost points logged up to 0.29 s before it (over a second under heavier load, where
         the thread waits longer for the GIL). With this rule, the logging call flushes whenever the
         background thread is late, which no scheduling can delay."""
