@@ -458,9 +458,9 @@ class SummaryWriter:
         Measured (issue 43, 2-core machine, 20 scalars a step logged flat out, period 0.1 s): the
         background thread alone shares the GIL with the logging loop and flushed every 0.14-0.23 s
         on average (up to 0.27 s apart), each flush taking up to 0.14 s for up to 160k entries; a
-        SIGKILL lost points logged up to 0.29 s before it (over a second under heavier load, where
-        the thread waits longer for the GIL). With this rule, the logging call flushes whenever the
-        background thread is late, which no scheduling can delay."""
+        SIGKILL lost points logged up to 0.29 s before it (the issue's report saw over a second on
+        a more loaded machine, where the thread waits longer for the GIL). With this rule, the
+        logging call flushes whenever the background thread is late, which no scheduling can delay."""
         # A background flush in progress ends first (its batches are acknowledged when it returns);
         # one stuck longer than OVERDUE_WAIT_SECONDS (a hung aggregator) is left to the background.
         if not self._flush_lock.acquire(timeout=OVERDUE_WAIT_SECONDS):
