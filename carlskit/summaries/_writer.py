@@ -474,7 +474,7 @@ class SummaryWriter:
                 self._flush_due = time.monotonic() + self.flush_every_seconds
                 return
             self._flush_step()
-        except BaseException as error:  # raised by the next call, as a background error is
+        except Exception as error:  # raised by the next call, as a background error is (Ctrl-C is not caught)
             self._set_error(error)
         finally:
             self._flush_lock.release()
