@@ -18,6 +18,14 @@ client, to its own files); closing that copy flushes it and leaves the aggregato
 that finds an aggregator lost creates its own replacement (closed with the copy). A copy samples
 from fresh entropy, not from ``seed``. Points still buffered in a writer that is garbage-collected
 without :meth:`~SummaryWriter.close` are lost (open writers are closed at interpreter exit).
+
+What a SIGKILL of the logging process loses (issue 43): a logging call that finds the last completed
+flush more than ``flush_every_seconds`` old writes the buffers itself before it returns, after any
+flush in progress (:func:`_flush_if_overdue`). So once a call that began ``flush_every_seconds``
+after a point was logged has returned, the point is in the files (acknowledged by its aggregator,
+with a client): a SIGKILL loses at most the points logged in the last ``flush_every_seconds`` plus
+one flush's duration, however busy the logging loop keeps the GIL. While a shard is recovering, a
+write fails or a flush takes over ``OVERDUE_WAIT_SECONDS``, calls leave the flushing to the background.
 """
 
 from __future__ import annotations
@@ -144,15 +152,6 @@ class SummaryWriter:
     at the next call; an aggregator's own failure (e.g. a full disk) raises
     :class:`SummaryAggregatorError` and the batch is re-sent. :meth:`status` shows every shard.
 
-    What a crash of this process loses (issue 43): a logging call that finds the last completed
-    flush more than ``flush_every_seconds`` old writes the buffers itself before it returns (waiting
-    for a background flush in progress first). So once a call that began ``flush_every_seconds``
-    after a point was logged has returned, the point is in the files (acknowledged by its
-    aggregator, with a client): a SIGKILL loses at most the points logged in the last
-    ``flush_every_seconds`` plus one flush's duration, however busy the logging loop keeps the
-    GIL. While a shard is recovering, a write fails or a flush takes over ``OVERDUE_WAIT_SECONDS``,
-    calls leave the flushing to the background.
-
     Backpressure: at most ``max_pending`` entries are held (buffered plus sent but not
     acknowledged). A logging call that finds the bound reached blocks until acknowledgements make
     room, at most ``block_seconds`` (then ``TimeoutError``; ``None`` waits until room is made or the
@@ -160,7 +159,8 @@ class SummaryWriter:
 
     Stochastic logging (H.1): each call is kept with probability ``sample_rate`` (the writer's, or
     the call's own), drawn from a generator seeded by ``seed``. Copies (pickling) and closing: see
-    the module docstring. Use it as a context manager or call :meth:`close`; :meth:`flush` blocks
+    the module docstring; so is what a SIGKILL loses (the last ``flush_every_seconds`` plus one
+    flush). Use it as a context manager or call :meth:`close`; :meth:`flush` blocks
     until everything logged so far is in the files.
 
     Args:
@@ -213,9 +213,7 @@ class SummaryWriter:
         self.logdir = Path(logdir)
         self.logdir.mkdir(parents=True, exist_ok=True)
         self._wake_at = max(1, self.max_pending // 4)
-        # Everything logged before _flush_due - flush_every_seconds is in the files (time.monotonic());
-        # a logging call that begins after _flush_due flushes itself (_flush_overdue).
-        self._flush_due = time.monotonic() + self.flush_every_seconds
+        self._flush_due = time.monotonic() + self.flush_every_seconds  # see _flush_if_overdue
         self._seed = seed
         self._rng = np.random.default_rng(seed)
         self._writer_id = secrets.randbits(64)  # marks this object's batches (copies get their own)
@@ -263,25 +261,21 @@ class SummaryWriter:
 
     def _before_logging(self, entries: int = 1, began: float | None = None) -> None:
         """Raise what the background found (closed, error, give-up); wait for room if the bound
-        is reached; start the flush thread; flush here if the last flush is overdue at ``began``
-        (the call's ``time.monotonic()``)."""
+        is reached; start the flush thread; flush if overdue at ``began`` (``time.monotonic()``)."""
         if self._alarm:
             self._raise_alarm()
         if self._held + entries > self.max_pending and self._held > 0:
             self._wait_for_room(entries)
         if self._thread is None:
             _start_flush_thread(self)
-        began = time.monotonic() if began is None else began
-        if began > self._flush_due:
-            self._flush_overdue(began)
+        _flush_if_overdue(self, time.monotonic() if began is None else began)
 
     def scalar(self, name: str, value: float, step: int, *, sample_rate: float | None = None) -> bool:
         """Log one scalar; return whether it was kept by sampling. Costs about a microsecond.
 
         ``step`` must be an integer (Python or numpy, not bool) in the int64 range, checked here:
         a bad call raises and leaves every pending point as it was."""
-        # The common case (open, room, flush not overdue, a float and an int) costs attribute checks
-        # and one clock read.
+        # The common case (open, room, flush not overdue, a float and an int): attribute checks, a clock read.
         began = time.monotonic()
         if self._alarm or self._held >= self.max_pending or self._thread is None or began > self._flush_due:
             self._before_logging(1, began)
@@ -433,51 +427,14 @@ class SummaryWriter:
 
     def _flush_step(self) -> bool:
         """Send the buffers and everything not acknowledged (:meth:`Delivery.send`); returns
-        whether everything is acknowledged, and if so moves the next flush's due time to a period
-        after the buffers were taken."""
+        whether everything is acknowledged (then the next flush is due a period after the take)."""
         with self._flush_lock:
             with self._lock:
                 scalars, self._scalars = self._scalars, {}
                 others, self._others = self._others, {}
                 self._buffered = 0
                 taken_at = time.monotonic()  # read under the lock: every point logged before it was taken
-            acknowledged = False
-            try:
-                acknowledged = self._delivery.send(take_batches(scalars, others), self._writer_id)
-            finally:
-                # not acknowledged (a failed write, a shard recovering): the bound is off until the
-                # next success, and the next try is a period away (the background re-sends sooner)
-                due = taken_at if acknowledged else time.monotonic()
-                self._flush_due = max(self._flush_due, due + self.flush_every_seconds)
-            return acknowledged
-
-    def _flush_overdue(self, began: float) -> None:
-        """The call that began at ``began`` finds the last flush overdue: flush here, so that what
-        was logged a period before ``began`` is in the files when the call returns.
-
-        Measured (issue 43, 2-core machine, 20 scalars a step logged flat out, period 0.1 s): the
-        background thread alone shares the GIL with the logging loop and flushed every 0.14-0.23 s
-        on average (up to 0.27 s apart), each flush taking up to 0.14 s for up to 160k entries; a
-        SIGKILL lost points logged up to 0.29 s before it (the issue's report saw over a second on
-        a more loaded machine, where the thread waits longer for the GIL). With this rule, the
-        logging call flushes whenever the background thread is late, which no scheduling can delay."""
-        # A background flush in progress ends first (its batches are acknowledged when it returns);
-        # one stuck longer than OVERDUE_WAIT_SECONDS (a hung aggregator) is left to the background.
-        if not self._flush_lock.acquire(timeout=OVERDUE_WAIT_SECONDS):
-            self._flush_due = time.monotonic() + self.flush_every_seconds
-            return
-        try:
-            if began <= self._flush_due:
-                return  # that flush took everything logged a period before the call
-            if not self._delivery.all_healthy():
-                # a shard is recovering: the background thread serves it every 50 ms; the caller logs on
-                self._flush_due = time.monotonic() + self.flush_every_seconds
-                return
-            self._flush_step()
-        except Exception as error:  # raised by the next call, as a background error is (Ctrl-C is not caught)
-            self._set_error(error)
-        finally:
-            self._flush_lock.release()
+            return _send(self, take_batches(scalars, others), taken_at)
 
     def flush(self) -> None:
         """Write everything logged so far; return once every shard's aggregator has acknowledged it
@@ -542,6 +499,51 @@ def _start_flush_thread(writer: SummaryWriter) -> None:
                                           args=(_flush_loop, weakref.ref(writer), writer._wake, writer._stop),
                                           daemon=True)
         writer._thread.start()
+
+
+def _send(writer: SummaryWriter, batches: list, taken_at: float) -> bool:
+    """``writer``'s delivery of the batches taken at ``taken_at``; the next flush is then due a period
+    after the take, or (not acknowledged: no bound until a success) a period from now."""
+    acknowledged = False
+    try:
+        acknowledged = writer._delivery.send(batches, writer._writer_id)
+    finally:
+        due = (taken_at if acknowledged else time.monotonic()) + writer.flush_every_seconds
+        writer._flush_due = max(writer._flush_due, due)
+    return acknowledged
+
+
+def _flush_if_overdue(writer: SummaryWriter, began: float) -> None:
+    """If ``writer``'s last flush is overdue for a logging call that began at ``began``, flush here,
+    so that what was logged a period before ``began`` is in the files when the call returns.
+    (``writer._flush_due``: what was logged a period before it is in the files.)
+
+    Measured (issue 43, 2-core machine, 20 scalars a step logged flat out, period 0.1 s): the
+    background thread alone shares the GIL with the logging loop and flushed every 0.14-0.23 s on
+    average (up to 0.27 s apart), each flush taking up to 0.14 s for up to 160k entries; a SIGKILL
+    lost points logged up to 0.29 s before it (the issue's report saw over a second on a more
+    loaded machine, where the thread waits longer for the GIL). With this rule the logging call
+    flushes whenever the background thread is late, which no scheduling can delay.
+    """
+    if began <= writer._flush_due:
+        return
+    # A background flush in progress ends first (its batches are acknowledged when it returns);
+    # one stuck longer than OVERDUE_WAIT_SECONDS (a hung aggregator) is left to the background.
+    if not writer._flush_lock.acquire(timeout=OVERDUE_WAIT_SECONDS):
+        writer._flush_due = time.monotonic() + writer.flush_every_seconds
+        return
+    try:
+        if began <= writer._flush_due:
+            return  # that flush took everything logged a period before the call
+        if not writer._delivery.all_healthy():
+            # a shard is recovering: the background thread serves it every 50 ms; the caller logs on
+            writer._flush_due = time.monotonic() + writer.flush_every_seconds
+            return
+        writer._flush_step()
+    except Exception as error:  # raised by the next call, as a background error is (Ctrl-C is not caught)
+        writer._set_error(error)
+    finally:
+        writer._flush_lock.release()
 
 
 def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> None:
