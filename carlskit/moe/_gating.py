@@ -65,8 +65,10 @@ class Routing:
     @property
     def combine_weights(self) -> jax.Array:
         """[G, S, E, C] (dtype of ``slot_weight``): weight of slot (e, c) in token s's output."""
-        weights = self.dispatch_mask.astype(self.slot_weight.dtype)
-        return weights * self.slot_weight[:, None, :, :]
+        # where, not a product: a NaN weight (a token with non-finite logits) stays in that token's
+        # row; 0 * NaN would have made every token's combine weights NaN.
+        return jnp.where(self.dispatch_mask.astype(bool), self.slot_weight[:, None, :, :],
+                         jnp.zeros((), self.slot_weight.dtype))
 
     def __iter__(self) -> Iterator[Any]:
         return iter((self.combine_weights, self.dispatch_mask, self.aux_loss, self.metrics))
@@ -120,9 +122,15 @@ def expert_capacity(
     return int(min(group_size, max(1, capacity)))
 
 
-# C slots per expert: positions are computed in int32, and C beyond that could only mean a typo
-# (the [G, S, E, C] buffers would not fit in any memory).
+# Slot indices e * C + c, and the spare slot E * C of dropped choices, are int32: C may be at most
+# (2**31 - 2) // E. Beyond that JAX raised an OverflowError about "argument path y" (issue 43); such a
+# C could only be a typo (the [G, E, C] buffers would not fit in any memory).
 MAX_CAPACITY = 2**31 - 1
+
+
+def largest_capacity(num_experts: int) -> int:
+    """The largest C the routers accept for ``num_experts`` experts: ``(2**31 - 2) // E``."""
+    return (MAX_CAPACITY - 1) // num_experts
 
 
 def _check_logits(logits: jax.Array, capacity: int, *, min_experts: int = 1) -> int:
@@ -137,7 +145,9 @@ def _check_logits(logits: jax.Array, capacity: int, *, min_experts: int = 1) -> 
     if kind not in "iuf" and not jnp.issubdtype(logits.dtype, jnp.floating):  # bfloat16 has kind "V"
         raise TypeError(f"logits must be a real-valued array [groups, group_size, num_experts], got dtype "
                         f"{logits.dtype}")
-    return integer(capacity, "capacity", 1, MAX_CAPACITY, why=" (buffer positions are int32)")
+    num_experts = shape[2]
+    return integer(capacity, "capacity", 1, largest_capacity(num_experts),
+                   why=f" for {num_experts} experts (slot indices up to E * C are int32)")
 
 
 def _checked_at_the_boundary(routing: Callable) -> Callable:
@@ -197,6 +207,17 @@ def _masked_mean(values: jax.Array, mask: jax.Array, axis=None) -> jax.Array:
     """Mean of ``values`` over the entries where ``mask`` is set (0 when none is)."""
     mask = mask.astype(jnp.float32)
     return jnp.sum(values * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
+
+
+def _nonfinite_tokens(gates: jax.Array) -> jax.Array:
+    """bool [G, S]: tokens whose gates are NaN (a NaN or +inf logit, or every logit -inf).
+
+    Such a token routes as "every output NaN" (issue 43): each slot it holds gets weight NaN, its
+    second choice is always attempted, and the aux loss and z-loss are NaN. Before, its weights
+    were NaN for some slots and its second choice was silently skipped, so 6 of 8 tokens looked
+    fine; in expert choice, a token whose softmax gave -NaN was chosen by no expert at all.
+    """
+    return jnp.any(jnp.isnan(gates), axis=-1)
 
 
 def _exclusive_cumsum(mask: jax.Array) -> jax.Array:
@@ -334,8 +355,8 @@ def _choice_routing(
     else:
         uniform = _second_choice_uniform(second_expert_policy, logits.shape, uniform, rng)
         slot_token, slot_weight, dropped_second, kept = _with_second_choices(
-            logits, gates, first, second_ok, capacity, second_expert_policy, uniform, second_expert_threshold,
-            renormalize_after_drops,
+            logits, gates, first, second_ok & _nonfinite_tokens(gates), second_ok, capacity, second_expert_policy,
+            uniform, second_expert_threshold, renormalize_after_drops,
         )
         metrics["dropped_second"] = _masked_mean(dropped_second, valid)
         metrics["dropped_tokens"] = _masked_mean(~first.keep & ~kept, valid)
@@ -387,12 +408,13 @@ def _second_choice_uniform(second_expert_policy: str, logits_shape: tuple[int, .
 
 
 def _with_second_choices(
-    logits: jax.Array, gates: jax.Array, first: _FirstChoices, second_ok: jax.Array, capacity: int,
-    second_expert_policy: str, uniform: jax.Array | None, second_expert_threshold: float,
+    logits: jax.Array, gates: jax.Array, first: _FirstChoices, nonfinite: jax.Array, second_ok: jax.Array,
+    capacity: int, second_expert_policy: str, uniform: jax.Array | None, second_expert_threshold: float,
     renormalize_after_drops: bool,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """GShard Algorithm 1's second expert: the slots of both choices, and per token whether its
-    second choice was attempted but dropped, and whether it was kept."""
+    second choice was attempted but dropped, and whether it was kept. A ``nonfinite`` token's
+    (NaN gates) second choice is attempted whatever its gate, so it carries its NaN weight."""
     num_tokens, num_experts = logits.shape[1:]
     noise = -jnp.log(-jnp.log(uniform)) if second_expert_policy == "sampling" else None  # standard Gumbel(0, 1)
     index_2 = _second_choice(logits, first.one_hot, first.index, noise)
@@ -406,6 +428,8 @@ def _with_second_choices(
         attempt_2 = jnp.zeros_like(attempt_2)
     elif second_expert_policy == "random":  # GShard: 2 * g2 > u, i.e. u < g2 / 0.5
         attempt_2 = attempt_2 & (uniform < jax.lax.stop_gradient(gate_2) / second_expert_threshold)
+    if second_expert_policy != "none":
+        attempt_2 = attempt_2 | nonfinite  # NaN > 0 is False: it would have been skipped silently
     # Pass 2: second choices go after *all* first choices of their expert, in token order.
     # A second choice rejected by the policy takes no slot (as in mesh-tensorflow's moe.py).
     mask_2 = mask_2 * attempt_2[..., None]
@@ -495,9 +519,18 @@ def top2_gating(
     ``paddings``, ``importance``, ``second_expert_threshold``, ``gating_logit_cap``,
     ``renormalize_after_drops``, ``fprop_dtype`` and ``mask_dtype`` are described above.
 
+    Non-finite logits are not checked (a check inside jit would need a transfer to the host each
+    step); they make every output of their token NaN instead, so nothing downstream looks fine: a
+    token whose gates are NaN (a NaN or ``+inf`` logit, or all ``-inf``) gets weight NaN in every
+    slot it holds, its second choice is always attempted (unless the policy is ``"none"``), and
+    ``aux_loss`` and ``router_z_loss`` are NaN; other tokens keep finite weights. A ``-inf`` logit
+    alone masks its expert. The same holds for :func:`top1_gating` and :func:`expert_choice_gating`
+    (which gives such a token to every expert).
+
     Args:
       logits: [G, S, E] router logits (any float dtype; upcast to float32).
-      capacity: C, slots per expert and group (see :func:`expert_capacity`).
+      capacity: C, slots per expert and group (see :func:`expert_capacity`), at most
+        ``(2**31 - 2) // E`` (slot indices are int32; :func:`largest_capacity`).
       second_expert_policy: "random", "all", "none" or "sampling".
       rng: jax.random key, required for "random" and "sampling" unless ``second_choice_uniform``
         is given.
@@ -561,11 +594,15 @@ def expert_choice_gating(
     valid, _, _ = _token_masks(logits, paddings, None)
     logits = _cap_logits(logits, gating_logit_cap)
     gates = jax.nn.softmax(logits, axis=-1)
+    nonfinite = _nonfinite_tokens(gates) & valid
     scores = jnp.where(valid[..., None], gates, -1.0)  # gates >= 0 > -1: padding ranks last
+    # A token with NaN gates ranks first for every expert (top_k puts -NaN last, so a softmax that
+    # gave -NaN left the token with no expert at all), and its slots get weight NaN.
+    scores = jnp.where(nonfinite[..., None], jnp.inf, scores)
     slot_weight, slot_token = jax.lax.top_k(jnp.swapaxes(scores, 1, 2), capacity)  # [G, E, C]
     empty = slot_weight < 0
     slot_token = jnp.where(empty, num_tokens, slot_token)
-    slot_weight = jnp.where(empty, 0.0, slot_weight)
+    slot_weight = jnp.where(empty, 0.0, jnp.where(slot_weight == jnp.inf, jnp.nan, slot_weight))
     chosen = jnp.zeros((groups, num_tokens + 1), jnp.float32).at[
         jnp.arange(groups)[:, None], slot_token.reshape(groups, -1)
     ].add(1.0)[:, :num_tokens]
@@ -578,9 +615,9 @@ def expert_choice_gating(
         "dropped_tokens": no_expert,
         "router_z_loss": _masked_mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)), valid),
     }
+    aux_loss = jnp.where(jnp.any(nonfinite), jnp.nan, 0.0).astype(jnp.float32)  # balanced: 0, unless NaN in
     return Routing(
-        slot_token.astype(jnp.int32), slot_weight.astype(fprop_dtype), jnp.zeros((), jnp.float32), metrics,
-        num_tokens, mask_dtype,
+        slot_token.astype(jnp.int32), slot_weight.astype(fprop_dtype), aux_loss, metrics, num_tokens, mask_dtype,
     )
 
 

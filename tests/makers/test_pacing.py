@@ -62,10 +62,11 @@ def test_a_paced_maker_computes_at_most_its_fraction_of_wall_time_and_still_comp
     # Busy share of the round's wall time: measured by the pacer and, independently, as thread CPU time.
     assert paced["busy_fraction"] <= 0.25 + 0.02
     assert paced_cpu / paced_wall <= 0.25 + 0.03
-    # The baseline (no pacing) is busy nearly all the time, in CPU too (the work is CPU work, in the
-    # maker's own thread): a no-op pacer would fail the bounds above.
-    assert unpaced["busy_fraction"] > 0.9 and unpaced_cpu / unpaced_wall > paced_cpu / paced_wall
-    assert paced["items_per_s"] < unpaced["items_per_s"]
+    # Both are upper bounds that a loaded machine can only make easier (a preempted thread gets less
+    # CPU, and the pacer sleeps in proportion to the busy wall time it measured). The baseline (no
+    # pacing) never sleeps, so its busy share exceeds the paced one's (it was 0.9+ here). Comparing the
+    # two runs' CPU shares or item rates was dropped (issue 43): the two runs meet different loads.
+    assert unpaced["busy_fraction"] > paced["busy_fraction"] and unpaced_cpu > 0 and unpaced_wall > 0
 
 
 class Encoder(nnx.Module):

@@ -3,6 +3,10 @@ random ``scalar`` / ``scalars`` / ``text`` logging to names on both aggregators,
 SIGKILL of a random aggregator's worker. After every flush (the writer's acknowledgement) a fresh
 ``SummaryReader`` must read back every point logged so far exactly once, with its value: the model
 is a dict of lists. Steps grow per name, as a training loop's do.
+
+The run starts from a chosen seed, and a kill is forced after 12 steps without one (issue 43: a
+seed derived from the source drew runs without kills after unrelated edits); the counts are
+printed every run.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import time
 import hypothesis.strategies as st
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, seed, settings
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
 from process_helpers import connected_cluster
 
@@ -43,7 +47,8 @@ VALUES = st.sampled_from([-1.5, 0.0, 0.25, 3.0, 1e6])
 
 class WriterMachine(RuleBasedStateMachine):
     client = None
-    kills = steps = 0
+    kills = forced_kills = steps = examples = 0
+    force_kill_after_steps = 12  # whatever Hypothesis draws, every example kills an aggregator
 
     def __init__(self) -> None:
         super().__init__()
@@ -55,6 +60,7 @@ class WriterMachine(RuleBasedStateMachine):
         self.scalars_logged: dict[str, list[tuple[int, float]]] = {name: [] for name in NAMES}
         self.texts_logged: list[tuple[int, str]] = []
         self.since_kill = 0
+        type(self).examples += 1
 
     def teardown(self) -> None:
         self.writer.close()
@@ -66,16 +72,14 @@ class WriterMachine(RuleBasedStateMachine):
 
     @rule(name=st.sampled_from(NAMES), value=VALUES)
     def scalar(self, name, value):
-        type(self).steps += 1
-        self.since_kill += 1
+        self.step()
         step = self._next_step(name)
         assert self.writer.scalar(name, value, step)
         self.scalars_logged[name].append((step, value))
 
     @rule(name=st.sampled_from(NAMES), values=st.lists(VALUES, min_size=1, max_size=50))
     def scalars(self, name, values):
-        type(self).steps += 1
-        self.since_kill += 1
+        self.step()
         first = self._next_step(name)
         steps = np.arange(first, first + len(values))
         assert self.writer.scalars(name, values, steps) == len(values)
@@ -83,11 +87,17 @@ class WriterMachine(RuleBasedStateMachine):
 
     @rule(text=st.text(st.characters(codec="utf-8"), max_size=20))
     def text(self, text):
-        type(self).steps += 1
-        self.since_kill += 1
+        self.step()
         step = self.texts_logged[-1][0] + 1 if self.texts_logged else 0
         assert self.writer.text("model/notes", text, step)
         self.texts_logged.append((step, text))
+
+    def step(self) -> None:
+        type(self).steps += 1
+        self.since_kill += 1
+        if self.since_kill > self.force_kill_after_steps:
+            type(self).forced_kills += 1
+            self.kill_an_aggregator(type(self).kills % 2)
 
     @precondition(lambda self: self.since_kill >= 8)
     @rule(shard=st.integers(0, 1))
@@ -105,7 +115,7 @@ class WriterMachine(RuleBasedStateMachine):
     @rule()
     def flush_then_read_back(self):
         """Acknowledged: every point logged so far is read back exactly once."""
-        type(self).steps += 1
+        self.step()
         self.writer.flush()
         reader = SummaryReader(self.directory)
         for name, logged in self.scalars_logged.items():
@@ -124,12 +134,19 @@ def client():
         yield dask_client
 
 
+# Seed 3 was chosen by checking: with no forced kill it drew 2 kills in its 2 examples (50 steps), where
+# seed 1 drew 0 kills and seed 2 two kills in 4 examples. The forced kills keep it killing after edits.
+@seed(3)
+class ShortRun(WriterMachine):
+    """The writer machine from a chosen seed."""
+
+
 def test_every_acknowledged_point_is_read_back_once_through_aggregator_kills(client):
     WriterMachine.client = client
     started = time.monotonic()
-    run_state_machine_as_test(WriterMachine, settings=settings(
-        max_examples=2, stateful_step_count=25, deadline=None, database=None, derandomize=True,
+    run_state_machine_as_test(ShortRun, settings=settings(
+        max_examples=2, stateful_step_count=25, deadline=None, database=None,
         suppress_health_check=list(HealthCheck)))
-    print(f"writer model run: {WriterMachine.steps} steps, {WriterMachine.kills} aggregator kills, "
-          f"{time.monotonic() - started:.1f} s")
-    assert WriterMachine.steps >= 20
+    print(f"writer model run: {ShortRun.steps} steps, {ShortRun.examples} examples, {ShortRun.kills} aggregator "
+          f"kills ({ShortRun.forced_kills} forced), {time.monotonic() - started:.1f} s")
+    assert ShortRun.steps >= 20 and ShortRun.kills >= ShortRun.examples
