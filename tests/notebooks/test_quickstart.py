@@ -16,7 +16,8 @@ QUICKSTART = ROOT / "notebooks" / "00_quickstart.ipynb"
 
 
 def test_the_quickstart_runs_to_its_last_cell_without_an_error_or_traceback(tmp_path):
-    env = dict(os.environ, CARLSKIT_SMALL="1", PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = dict(os.environ, CARLSKIT_SMALL="1", PYTHONPATH=path)
     run = subprocess.run([sys.executable, "-m", "jupyter", "nbconvert", "--to", "notebook", "--execute",
                           "--ExecutePreprocessor.timeout=600", "--output-dir", str(tmp_path), str(QUICKSTART)],
                          cwd=QUICKSTART.parent, env=env, capture_output=True, text=True, timeout=900)
