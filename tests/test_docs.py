@@ -152,3 +152,67 @@ def test_the_readme_is_a_first_visit_and_links_every_guide_page():
     pages = sorted(path.name for path in (ROOT / "docs" / "guide").glob("*.md") if path.name != "index.md")
     missing = [page for page in pages if f"(docs/guide/{page})" not in readme]
     assert not missing, f"guide pages the README does not link: {missing}"
+
+
+def _public_objects():
+    import carlskit
+
+    for subpackage in carlskit._SUBPACKAGES:
+        module = importlib.import_module(f"carlskit.{subpackage}")
+        for name in getattr(module, "__all__", []):
+            yield f"carlskit.{subpackage}.{name}", getattr(module, name)
+
+
+def test_no_public_signature_shows_a_private_parameter():
+    import inspect
+
+    private = []
+    for name, target in _public_objects():
+        if not callable(target) or inspect.ismodule(target):
+            continue
+        try:
+            signature = inspect.signature(target)
+        except (TypeError, ValueError):  # builtins and C types without one
+            continue
+        private += [f"{name}({parameter})" for parameter in signature.parameters if parameter.startswith("_")]
+    assert not private, f"the API pages would show private parameters: {private}"
+
+
+def test_the_bank_page_shows_the_outlier_rule_without_escaped_pipes():
+    from docutils.core import publish_parts
+
+    import carlskit.bank
+
+    lines = carlskit.bank.__doc__.splitlines()
+    _docs_conf().check_docstrings(None, "module", "carlskit.bank", carlskit.bank, {}, lines)
+    html = publish_parts("\n".join(lines), writer="html", settings_overrides={"report_level": 5})["html_body"]
+    assert "||g_i||" in html and "\\|" not in html, "the carlskit.bank page shows a literal \\|\\|g_i\\|\\|"
+
+
+def test_every_docstring_literal_with_pipes_is_on_one_line():
+    """docs/conf.py escapes pipes outside ``literals`` line by line: a literal split over two lines
+    gets its pipes escaped, and the page shows the backslashes."""
+    import inspect
+
+    split = []
+    for path in sorted((ROOT / "carlskit").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        for line in inspect.cleandoc(importlib.import_module(module).__doc__ or "").splitlines():
+            if "|" in line and line.count("``") % 2:
+                split.append(f"{module}: {line.strip()}")
+    assert not split, split
+
+
+def test_the_notebooks_guide_lists_and_times_every_notebook():
+    guide = (ROOT / "docs" / "guide" / "notebooks.md").read_text(encoding="utf-8")
+    table, _, timings = guide.partition("Every notebook runs headless")
+    for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert f"| `{path.name}` |" in table, f"{path.name} is not in the guide's table"
+        assert f"`{path.name[:2]}`" in timings, f"the guide gives no time for {path.name}"
+
+
+def test_the_docs_configuration_points_only_to_files_that_exist():
+    conf = (ROOT / "docs" / "conf.py").read_text(encoding="utf-8")
+    named = set(re.findall(r"\b((?:docs|tools|notebooks)/[\w./]+\.(?:md|py|ipynb))", conf))
+    assert named, "docs/conf.py names where its build is described"
+    assert not [path for path in named if not (ROOT / path).is_file()], named

@@ -182,8 +182,24 @@ class SummaryWriter:
         restart_policy: RestartPolicy | float | None = None,
         workers: list[str] | str | None = None,
         resources: dict[str, float] | None = None,
-        _aggregators: list | None = None,
     ):
+        self._start(logdir, client=client, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds, seed=seed,
+                    n_shards=n_shards, max_pending=max_pending, block_seconds=block_seconds,
+                    restart_policy=restart_policy, workers=workers, resources=resources, aggregators=None)
+
+    @classmethod
+    def _over(cls, logdir: str | os.PathLike, aggregators: list | None, **options: Any) -> "SummaryWriter":
+        """A writer to existing aggregators (unpickling in a task): the private constructor path,
+        so the public signature carries no private parameters."""
+        writer = cls.__new__(cls)
+        writer._start(logdir, aggregators=aggregators, **options)
+        return writer
+
+    def _start(self, logdir: str | os.PathLike, *, client: Any, sample_rate: float, flush_every_seconds: float,
+               seed: int | None, n_shards: int | None, max_pending: int, block_seconds: float | None,
+               restart_policy: RestartPolicy | float | None, workers: list[str] | str | None,
+               resources: dict[str, float] | None, aggregators: list | None) -> None:
+        """The constructor's work (``aggregators``: existing ones to write to, else started here)."""
         _checks.path(logdir, "logdir")
         self.sample_rate = _check_rate(sample_rate)
         self.flush_every_seconds = _checks.positive_float(flush_every_seconds, "flush_every_seconds")
@@ -192,7 +208,7 @@ class SummaryWriter:
             block_seconds, "block_seconds", minimum=0.0)
         self.restart_policy = _restart_policy(restart_policy)
         self.placement = Placement.of(workers, resources)
-        if client is None and _aggregators is None and self.placement.restricted:
+        if client is None and aggregators is None and self.placement.restricted:
             raise ValueError("workers/resources place aggregators on a Dask cluster: pass a client too")
         if n_shards is not None:
             n_shards = _checks.integer(n_shards, "n_shards", 1, MAX_SHARDS)
@@ -215,7 +231,7 @@ class SummaryWriter:
         self._gave_up: str | None = None
         self._closed = False
         self._alarm = False  # closed, a background error or a give-up: checked by every call
-        self._delivery = Delivery(self.logdir, self.restart_policy, self.placement, client, n_shards, _aggregators,
+        self._delivery = Delivery(self.logdir, self.restart_policy, self.placement, client, n_shards, aggregators,
                                   self._freed, self._give_up)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -510,8 +526,8 @@ def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> Non
 def _rebuild_writer(logdir, aggregators, sample_rate, flush_every_seconds, max_pending,
                     block_seconds=None, policy=None, placement=None):
     placement = placement or Placement()
-    return SummaryWriter(logdir, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds,
-                         seed=None, max_pending=max_pending, block_seconds=block_seconds,
-                         restart_policy=policy, workers=placement.workers, resources=placement.resources,
-                         _aggregators=aggregators)
+    return SummaryWriter._over(logdir, aggregators, client=None, sample_rate=sample_rate,
+                               flush_every_seconds=flush_every_seconds, seed=None, n_shards=None,
+                               max_pending=max_pending, block_seconds=block_seconds, restart_policy=policy,
+                               workers=placement.workers, resources=placement.resources)
 
