@@ -9,6 +9,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -330,7 +331,7 @@ def _pre_spawn_environment(thread_limits: dict[str, str]) -> Iterator[None]:
     spawn_environ.update(thread_limits)
     saved = {name: os.environ.get(name) for name in spawn_environ}
     try:
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_environ}):
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_environ}), _main_not_reimported():
             yield
     finally:
         for name, value in saved.items():
@@ -338,6 +339,31 @@ def _pre_spawn_environment(thread_limits: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Workers spawned here do not re-import the program's ``__main__``.
+
+    multiprocessing's spawn makes each new process import the parent's main module (by name for
+    ``python -m X``, by path for a script) before the worker runs, so X's top-level imports, JAX's
+    among them, came before carlskit configured the worker: ``python -m carlskit.paradigms.graph_reg
+    --workers 2`` warned "JAX was imported on worker ... before carlskit configured it" about its own
+    cluster (issue 44). A notebook's ``__main__`` has neither name nor file, so its workers import
+    nothing; while the workers spawn, the program's looks the same. (Tasks defined in ``__main__``
+    travel by value with cloudpickle and need no import there.)
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def _start_group_cluster(groups: dict[str, WorkerGroup], *, dashboard_address: str | None, security: Any,

@@ -245,3 +245,28 @@ def test_closing_an_embedded_cluster_while_workers_heartbeat_prints_no_error(tmp
     output = run.stdout + run.stderr
     assert run.returncode == 0 and "closed three times" in run.stdout, output[-3000:]
     assert "ERROR" not in output and "Traceback" not in output, output[-3000:]
+
+
+PROGRAM_IMPORTING_JAX = r'''
+import jax  # at the top of the program, as in python -m carlskit.paradigms.graph_reg
+import carlskit
+
+if __name__ == "__main__":
+    client = carlskit.connect(n_workers=1)
+    configured = client.run(lambda dask_worker: dask_worker.carlskit_jax_preconfigured)
+    print("configured before JAX:", all(configured.values()))
+    client.close()
+'''
+
+
+def test_a_program_that_imports_jax_gets_workers_configured_before_jax(tmp_path):
+    # multiprocessing's spawn re-imported the program's __main__ in every worker, JAX with it, before
+    # carlskit's plugin ran: the CLI warned "JAX was imported on worker ..." about its own cluster (issue 44).
+    script = tmp_path / "program_importing_jax.py"
+    script.write_text(PROGRAM_IMPORTING_JAX)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "configured before JAX: True" in run.stdout, run.stdout + run.stderr[-3000:]
+    assert "before carlskit configured it" not in run.stderr, run.stderr[-3000:]
