@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime
@@ -18,7 +19,8 @@ from typing import Any
 import dask
 import distributed
 from dask.typing import no_default
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
+from distributed.core import Status
 
 from carlskit._checks import instance, integer, positive_int
 from carlskit.cluster._environment import (
@@ -448,7 +450,9 @@ class EmbeddedClient(Client):
             with contextlib.suppress(Exception):
                 self.run(_quiet_for_shutdown)
         result = super().close(timeout=timeout)
-        if self.cluster is not None and not self.asynchronous:
+        # (Client.__del__ closes again at interpreter exit: a closed cluster is left alone.)
+        if self.cluster is not None and not self.asynchronous and self.cluster.status != Status.closed:
+            _close_workers_patiently(self.cluster)
             self.cluster.close()
             _WORKER_LOGGER.removeFilter(_SHUTDOWN_NOISE)  # workers that were threads of this process
         return result
@@ -466,6 +470,26 @@ class _ShutdownNoise(logging.Filter):
 
 _WORKER_LOGGER = logging.getLogger("distributed.worker")
 _SHUTDOWN_NOISE = _ShutdownNoise()
+
+
+# Seconds a worker process gets to exit when its embedded cluster closes, before its nanny kills it.
+# Dask's own close gives 4 s (0.8 x 5) and then logs "Worker process still alive after 4.0 seconds,
+# killing" on the notebook's stderr: notebook 09's last close did so at load 6-14 (issue 44).
+WORKER_EXIT_SECONDS = 20.0
+
+
+def _close_workers_patiently(cluster: Any) -> None:
+    """Close the cluster's nannies (its worker processes) with :data:`WORKER_EXIT_SECONDS` each, all
+    at once; the cluster's own close then finds them closed."""
+    nannies = [worker for worker in dict(getattr(cluster, "workers", {}) or {}).values() if isinstance(worker, Nanny)]
+    if not nannies:
+        return
+
+    async def close_all() -> None:
+        await asyncio.gather(*(nanny.close(timeout=WORKER_EXIT_SECONDS) for nanny in nannies), return_exceptions=True)
+
+    with contextlib.suppress(Exception):  # the cluster's own close still runs, with Dask's timeouts
+        cluster.sync(close_all)
 
 
 def _quiet_for_shutdown(dask_worker: Any) -> None:

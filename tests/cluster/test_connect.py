@@ -270,3 +270,30 @@ def test_a_program_that_imports_jax_gets_workers_configured_before_jax(tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "configured before JAX: True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "before carlskit configured it" not in run.stderr, run.stderr[-3000:]
+
+
+SLOW_TO_EXIT = r'''
+import atexit, time
+import carlskit
+
+def exit_slowly():
+    atexit.register(time.sleep, 6)  # longer than the 4 s Dask's own close waits before it kills
+
+if __name__ == "__main__":
+    client = carlskit.connect(n_workers=1)
+    client.run(exit_slowly)
+    client.close()
+    print("closed")
+'''
+
+
+def test_a_worker_slow_to_exit_is_waited_for_not_killed_with_a_warning(tmp_path):
+    # Notebook 09's final client.close() printed "distributed.nanny - WARNING - Worker process still alive
+    # after 4.0 seconds, killing" on its stderr at load 6-14 (issue 44): workers now get WORKER_EXIT_SECONDS.
+    script = tmp_path / "slow_to_exit.py"
+    script.write_text(SLOW_TO_EXIT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    assert run.returncode == 0 and "closed" in run.stdout, run.stderr[-3000:]
+    assert "still alive" not in run.stderr and "WARNING" not in run.stderr, run.stderr[-3000:]
