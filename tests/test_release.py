@@ -55,6 +55,18 @@ def test_every_package_is_listed_for_the_build():
     assert data == folders, "every folder of data/ is a package of its own (else setuptools warns it is absent)"
 
 
+def test_every_command_line_has_a_console_script_that_resolves():
+    import importlib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, target in scripts.items():
+        module, _, attribute = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), f"{name} = {target!r}"
+    programs = {path.stem for path in (ROOT / "carlskit" / "paradigms").glob("[!_]*.py")
+                if 'if __name__ == "__main__"' in path.read_text(encoding="utf-8")}
+    assert {f"carlskit-{program.replace('_', '-')}" for program in programs} <= set(scripts), sorted(scripts)
+
+
 def test_the_changelog_names_the_version():
     entries = [line for line in (ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")]
     assert entries and entries[0].startswith(f"## {carlskit.__version__} "), entries[:1]
@@ -124,3 +136,7 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs_from_there(built, 
     cli = subprocess.run([str(python), "-m", "carlskit.paradigms.graph_reg", "--help"], cwd=scratch, env=env,
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and "usage" in cli.stdout.lower(), cli.stdout[-2000:] + cli.stderr[-2000:]
+    # the console script runs in its environment with no activation (its bin/ is not on PATH here)
+    script = subprocess.run([str(fresh / "bin" / "carlskit-graph-reg"), "--help"], cwd=scratch, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0 and "usage: carlskit-graph-reg" in script.stdout, script.stderr[-2000:]
