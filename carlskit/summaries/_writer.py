@@ -183,23 +183,7 @@ class SummaryWriter:
         workers: list[str] | str | None = None,
         resources: dict[str, float] | None = None,
     ):
-        self._start(logdir, client=client, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds, seed=seed,
-                    n_shards=n_shards, max_pending=max_pending, block_seconds=block_seconds,
-                    restart_policy=restart_policy, workers=workers, resources=resources, aggregators=None)
-
-    @classmethod
-    def _over(cls, logdir: str | os.PathLike, aggregators: list | None, **options: Any) -> "SummaryWriter":
-        """A writer to existing aggregators (unpickling in a task): the private constructor path,
-        so the public signature carries no private parameters."""
-        writer = cls.__new__(cls)
-        writer._start(logdir, aggregators=aggregators, **options)
-        return writer
-
-    def _start(self, logdir: str | os.PathLike, *, client: Any, sample_rate: float, flush_every_seconds: float,
-               seed: int | None, n_shards: int | None, max_pending: int, block_seconds: float | None,
-               restart_policy: RestartPolicy | float | None, workers: list[str] | str | None,
-               resources: dict[str, float] | None, aggregators: list | None) -> None:
-        """The constructor's work (``aggregators``: existing ones to write to, else started here)."""
+        aggregators = _adopted_aggregators.get()  # set by _rebuild_writer only: the private constructor path
         _checks.path(logdir, "logdir")
         self.sample_rate = _check_rate(sample_rate)
         self.flush_every_seconds = _checks.positive_float(flush_every_seconds, "flush_every_seconds")
@@ -526,8 +510,17 @@ def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> Non
 def _rebuild_writer(logdir, aggregators, sample_rate, flush_every_seconds, max_pending,
                     block_seconds=None, policy=None, placement=None):
     placement = placement or Placement()
-    return SummaryWriter._over(logdir, aggregators, client=None, sample_rate=sample_rate,
-                               flush_every_seconds=flush_every_seconds, seed=None, n_shards=None,
-                               max_pending=max_pending, block_seconds=block_seconds, restart_policy=policy,
-                               workers=placement.workers, resources=placement.resources)
+    adopting = _adopted_aggregators.set(aggregators)
+    try:
+        return SummaryWriter(logdir, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds,
+                             seed=None, max_pending=max_pending, block_seconds=block_seconds,
+                             restart_policy=policy, workers=placement.workers, resources=placement.resources)
+    finally:
+        _adopted_aggregators.reset(adopting)
+
+
+# The aggregators an unpickled writer adopts (its private constructor path: the public signature carries
+# no private parameter; issue 44). None: a new writer starts its own.
+_adopted_aggregators: contextvars.ContextVar[list | None] = contextvars.ContextVar("carlskit_adopted_aggregators",
+                                                                                  default=None)
 
