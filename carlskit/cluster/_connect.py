@@ -447,8 +447,9 @@ class EmbeddedClient(Client):
             # which the worker logs as a 25-line ERROR with a traceback (1 close in 6 on a quiet
             # 2-core machine, 2 in 3 with a worker heart-beating nonstop; issue 44): the notebook's
             # last cell looked broken. Stop the heartbeats and drop exactly those shutdown messages.
+            # (A lost or hung worker must not hold the close up: 5 s at most, errors ignored.)
             with contextlib.suppress(Exception):
-                self.run(_quiet_for_shutdown)
+                self.sync(self._run, _quiet_for_shutdown, on_error="ignore", callback_timeout=5)
         result = super().close(timeout=timeout)
         # (Client.__del__ closes again at interpreter exit: a closed cluster is left alone.)
         if self.cluster is not None and not self.asynchronous and self.cluster.status != Status.closed:
