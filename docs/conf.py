@@ -1,4 +1,4 @@
-"""Sphinx configuration of carlskit's documentation site (``make docs``; see docs/README.md).
+"""Sphinx configuration of carlskit's documentation site (``make docs``; see docs/guide/development.md).
 
 Sphinx + MyST (Markdown pages, the README's dialect) + myst-nb (the tutorial notebooks, rendered
 from the executed copies ``make test`` writes to ``notebooks/executed/``, never re-run here) + furo.
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import os
 import re
 import shutil
@@ -113,19 +114,41 @@ def write_api_pages(app) -> None:
          "```{toctree}", ":maxdepth: 1", "", *[page.split("/", 1)[1] for page in pages], "```", ""]))
 
 
+def source_cells(path: Path) -> list[tuple[str, str]]:
+    """A notebook's cells as (type, source): what a run of it does not change."""
+    cells = json.loads(path.read_text(encoding="utf-8")).get("cells", [])
+    return [(cell.get("cell_type", ""), "".join(cell.get("source", ""))) for cell in cells]
+
+
+def chosen_copy(source: Path) -> Path:
+    """The executed copy of ``source`` if it ran exactly these cells, else ``source`` itself.
+
+    Compared by content, not modification time: JupyterLab's save hook writes the executed copy a
+    few milliseconds *before* the stripped notebook (tools/jupyter_server_config.py), so an mtime
+    rule showed every tutorial without outputs after a lab run (issue 44)."""
+    executed = NOTEBOOKS / "executed" / source.name
+    if executed.is_file():
+        try:
+            if source_cells(executed) == source_cells(source):
+                return executed
+        except (ValueError, OSError):  # a copy being written or broken: the source is shown
+            pass
+    return source
+
+
 def copy_notebooks(app) -> None:
-    """The executed copy of each tutorial where ``make test`` (or the lab) left one newer than its
-    source, else the source itself (then the page has no outputs and the build says so)."""
+    """The executed copy of each tutorial where ``make test`` (or the lab) left one of its current
+    cells, else the source itself (then the page has no outputs and the build says so)."""
     target = DOCS / "notebooks"
     target.mkdir(exist_ok=True)
     names = []
     for source in sorted(NOTEBOOKS.glob("*.ipynb")):
-        executed = NOTEBOOKS / "executed" / source.name
-        chosen = executed if executed.is_file() and executed.stat().st_mtime >= source.stat().st_mtime else source
+        chosen = chosen_copy(source)
         if chosen is source:
             from sphinx.util import logging
 
-            logging.getLogger(__name__).info(f"{source.name}: no executed copy newer than it; shown without outputs")
+            logging.getLogger(__name__).info(f"{source.name}: no executed copy of its current cells; "
+                                             f"shown without outputs")
         destination = target / source.name
         if not destination.is_file() or destination.read_bytes() != chosen.read_bytes():
             shutil.copyfile(chosen, destination)

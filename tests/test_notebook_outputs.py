@@ -108,7 +108,8 @@ def test_jupyterlab_saves_notebooks_without_outputs_and_keeps_a_copy_with_them(t
     committed = NOTEBOOKS[0].read_text(encoding="utf-8")
     run = nbformat.reads(_as_if_run(committed), as_version=4)
     manager.save({"type": "notebook", "format": "json", "content": run}, "00.ipynb")
-    assert (tmp_path / "00.ipynb").read_text(encoding="utf-8") == committed, "saved exactly as committed"
+    saved = (tmp_path / "00.ipynb").read_text(encoding="utf-8")
+    assert _strip(saved) == committed, "saved as committed, once git's filter drops the kernel's language_info"
     executed = nbformat.read(tmp_path / "executed" / "00.ipynb", as_version=4)
     assert any(cell.get("outputs") for cell in executed.cells), "the copy keeps the outputs"
 
@@ -123,3 +124,29 @@ def test_what_jupyter_writes_for_a_committed_notebook_is_the_committed_notebook(
     text = path.read_text(encoding="utf-8")
     written = nbformat.writes(nbformat.reads(text, as_version=4)) + "\n"
     assert _strip(written) == text
+
+
+def test_starting_a_kernel_leaves_a_notebook_saved_by_jupyterlab_unmodified(tmp_path):
+    """A kernel writes its ``language_info`` into the notebook at every start; JupyterLab marks the
+    notebook modified unless the value equals what the file holds (its JSON deep-equal check). The
+    save hook keeps the block, git's filter drops it: a kernel start changes nothing, git sees nothing."""
+    import jupyter_client
+    import nbformat
+    from jupyter_server.services.contents.filemanager import FileContentsManager
+    from traitlets.config import Config, PyFileConfigLoader
+
+    manager, kernel = jupyter_client.manager.start_new_kernel(kernel_name="python3")
+    try:
+        language_info = kernel.kernel_info(reply=True, timeout=60)["content"]["language_info"]
+    finally:
+        kernel.stop_channels()
+        manager.shutdown_kernel(now=True)
+    config = PyFileConfigLoader("jupyter_server_config.py", path=str(ROOT / "tools")).load_config()
+    contents = FileContentsManager(root_dir=str(tmp_path), config=Config(config))
+    committed = NOTEBOOKS[0].read_text(encoding="utf-8")
+    opened = nbformat.reads(committed, as_version=4)
+    opened.metadata["language_info"] = language_info  # what JupyterLab's model holds once the kernel started
+    contents.save({"type": "notebook", "format": "json", "content": opened}, "00.ipynb")
+    saved = json.loads((tmp_path / "00.ipynb").read_text(encoding="utf-8"))
+    assert saved["metadata"].get("language_info") == language_info, "the next kernel start would modify it"
+    assert _strip((tmp_path / "00.ipynb").read_text(encoding="utf-8")) == committed, "git stores no language_info"

@@ -20,6 +20,8 @@ import venv
 import zipfile
 from pathlib import Path
 
+import pytest
+
 import carlskit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,7 +48,23 @@ def _packages_on_disk() -> set[str]:
 
 def test_every_package_is_listed_for_the_build():
     listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
-    assert listed - {"carlskit._shipped_data"} == _packages_on_disk(), "add new subpackages to pyproject.toml"
+    code = {name for name in listed if not name.startswith("carlskit._shipped_data")}
+    assert code == _packages_on_disk(), "add new subpackages to pyproject.toml"
+    data = {name for name in listed if name.startswith("carlskit._shipped_data.")}
+    folders = {f"carlskit._shipped_data.{path.name}" for path in (ROOT / "data").iterdir() if path.is_dir()}
+    assert data == folders, "every folder of data/ is a package of its own (else setuptools warns it is absent)"
+
+
+def test_every_command_line_has_a_console_script_that_resolves():
+    import importlib
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    for name, target in scripts.items():
+        module, _, attribute = target.partition(":")
+        assert callable(getattr(importlib.import_module(module), attribute)), f"{name} = {target!r}"
+    programs = {path.stem for path in (ROOT / "carlskit" / "paradigms").glob("[!_]*.py")
+                if 'if __name__ == "__main__"' in path.read_text(encoding="utf-8")}
+    assert {f"carlskit-{program.replace('_', '-')}" for program in programs} <= set(scripts), sorted(scripts)
 
 
 def test_the_changelog_names_the_version():
@@ -54,11 +72,27 @@ def test_the_changelog_names_the_version():
     assert entries and entries[0].startswith(f"## {carlskit.__version__} "), entries[:1]
 
 
-def test_the_wheel_installs_into_a_fresh_environment_and_runs_from_there(tmp_path):
-    dist = tmp_path / "dist"
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """``python -m build`` of the checkout: (its output, the dist folder)."""
+    dist = tmp_path_factory.mktemp("dist")
     build = subprocess.run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(ROOT)],
                            capture_output=True, text=True, timeout=300)
     assert build.returncode == 0, build.stdout[-3000:] + build.stderr[-3000:]
+    return build.stdout + build.stderr, dist
+
+
+def test_the_build_warns_nothing_about_packages_and_the_wheel_holds_no_raw_data(built):
+    output, dist = built
+    warned = [line for line in output.splitlines() if "absent from the" in line or "would be ignored" in line]
+    assert not warned, warned  # setuptools' "Package 'carlskit._shipped_data.planetoid' is absent from ..."
+    with zipfile.ZipFile(dist / f"carlskit-{carlskit.__version__}-py3-none-any.whl") as archive:
+        raw = [name for name in archive.namelist() if "/raw/" in name]
+    assert not raw, f"the raw Planetoid files stay in the sdist: {raw[:3]}"
+
+
+def test_the_wheel_installs_into_a_fresh_environment_and_runs_from_there(built, tmp_path):
+    _, dist = built
     version = carlskit.__version__
     wheel = dist / f"carlskit-{version}-py3-none-any.whl"
     sdist = dist / f"carlskit-{version}.tar.gz"
@@ -102,3 +136,7 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs_from_there(tmp_pat
     cli = subprocess.run([str(python), "-m", "carlskit.paradigms.graph_reg", "--help"], cwd=scratch, env=env,
                          capture_output=True, text=True, timeout=300)
     assert cli.returncode == 0 and "usage" in cli.stdout.lower(), cli.stdout[-2000:] + cli.stderr[-2000:]
+    # the console script runs in its environment with no activation (its bin/ is not on PATH here)
+    script = subprocess.run([str(fresh / "bin" / "carlskit-graph-reg"), "--help"], cwd=scratch, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert script.returncode == 0 and "usage: carlskit-graph-reg" in script.stdout, script.stderr[-2000:]

@@ -11,6 +11,11 @@ a cell's source as one string (Jupyter writes its list of lines), the kernel's d
 (``Python 3`` or ``Python 3 (ipykernel)``: one name), the kernel's
 ``language_info`` block (the interpreter's version: it differs per machine) and a cell id for a cell
 that has none (JupyterLab invents a random one). Standard library only: git runs it with any Python 3.
+
+JupyterLab's save hook (``tools/jupyter_server_config.py``) strips with ``keep_language_info=True``:
+the file JupyterLab holds keeps the block its kernel writes, so the next kernel start sets the same
+value and the notebook stays unmodified (dropping it there made every opened notebook ask "save
+changes?" on close; issue 44). Only what git stores drops it.
 """
 
 from __future__ import annotations
@@ -20,11 +25,14 @@ import sys
 
 _VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled")
 _VOLATILE_NOTEBOOK_METADATA = ("widgets", "language_info")
+_KERNEL_METADATA = ("language_info",)  # written by the kernel at every start: kept where JupyterLab reads it
 # The kernelspec every committed notebook names (what ipykernel's kernel.json says, so saving keeps it).
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
-def strip(notebook: dict) -> dict:
+def strip(notebook: dict, *, keep_language_info: bool = False) -> dict:
+    """Clear outputs and run-specific metadata in place (``keep_language_info``: the save hook's rule,
+    for the file JupyterLab holds; git's filter drops it)."""
     taken = {cell["id"] for cell in notebook.get("cells", []) if "id" in cell}
     for number, cell in enumerate(notebook.get("cells", [])):
         if "id" not in cell and (notebook.get("nbformat"), notebook.get("nbformat_minor", 0)) >= (4, 5):
@@ -44,7 +52,8 @@ def strip(notebook: dict) -> dict:
             metadata.pop(key, None)
     metadata = notebook.get("metadata", {})
     for key in _VOLATILE_NOTEBOOK_METADATA:
-        metadata.pop(key, None)
+        if not (keep_language_info and key in _KERNEL_METADATA):
+            metadata.pop(key, None)
     if metadata.get("kernelspec", {}).get("name") == KERNELSPEC["name"]:
         metadata["kernelspec"] = dict(KERNELSPEC)
     return notebook

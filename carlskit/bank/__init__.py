@@ -8,8 +8,9 @@ gradients sent with ``apply_gradients`` are cached until the key is looked up, u
 ``flush``). Then, all cached gradients of the key together:
 
 1. gradients containing NaN or Inf are dropped (``stats()["tables"][t]["dropped_nonfinite"]``);
-2. if at least 3 remain, g_i is dropped when ``||g_i|| > median(n) + outlier_threshold * 1.4826 *
-   median(|n - median(n)|)`` over the remaining norms n (``dropped_outliers``; default threshold 3);
+2. if at least 3 remain, g_i is dropped when
+   ``||g_i|| > median(n) + outlier_threshold * 1.4826 * median(|n - median(n)|)``
+   over the remaining norms n (``dropped_outliers``; default threshold 3);
 3. the rest are averaged, g = mean(g_i) (``combine="sum"``: summed, g = sum(g_i); when to use
    which: :mod:`carlskit.bank._lazy`), and one step is taken: ``sgd`` v -= lr * g, ``adagrad``
    a += g**2, v -= lr * g / sqrt(a + eps) (a starts at ``initial_accumulator_value``).

@@ -189,24 +189,30 @@ class KnowledgeBank:
 
     def __init__(self, client: Any = None, num_shards: int = 1, *,
                  clock: Callable[[], float] | None = None, direct: bool = True,
-                 workers: list[str] | str | None = None, resources: dict[str, float] | None = None,
-                 _shards: ShardSet | None = None, _tables: dict[str, TableConfig] | None = None) -> None:
-        """``_shards``/``_tables``: a bank over an existing shard set and its known tables
-        (:meth:`attach`, unpickling); every other argument is then unused."""
-        if _shards is None:
-            num_shards = integer(num_shards, "num_shards", minimum=1)
-            if not isinstance(direct, bool):
-                raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
-            if clock is not None and not callable(clock):
-                raise TypeError(f"clock must be a callable returning seconds, "
-                                f"got {type(clock).__name__}")
-            placement = Placement.of(workers, resources)
-            if client is None and placement.restricted:
-                raise ValueError("workers/resources place shards on a Dask cluster: pass a client too")
-            _shards = ShardSet.start(client, num_shards, clock, direct, placement)
-        self._shards = _shards
+                 workers: list[str] | str | None = None, resources: dict[str, float] | None = None) -> None:
+        num_shards = integer(num_shards, "num_shards", minimum=1)
+        if not isinstance(direct, bool):
+            raise TypeError(f"direct must be a bool, got {type(direct).__name__}")
+        if clock is not None and not callable(clock):
+            raise TypeError(f"clock must be a callable returning seconds, "
+                            f"got {type(clock).__name__}")
+        placement = Placement.of(workers, resources)
+        if client is None and placement.restricted:
+            raise ValueError("workers/resources place shards on a Dask cluster: pass a client too")
+        self._adopt(ShardSet.start(client, num_shards, clock, direct, placement), {})
+
+    @classmethod
+    def _over(cls, shards: ShardSet, tables: dict[str, TableConfig] | None = None) -> "KnowledgeBank":
+        """A bank over an existing shard set and its known tables (:meth:`attach`, unpickling): the
+        private constructor path, so the public signature carries no private parameters."""
+        bank = cls.__new__(cls)
+        bank._adopt(shards, tables or {})
+        return bank
+
+    def _adopt(self, shards: ShardSet, tables: dict[str, TableConfig]) -> None:
+        self._shards = shards
         self._shards.owner = weakref.ref(self)  # named by the ShardLostErrors it raises
-        self._configs: dict[str, TableConfig] = dict(_tables or {})
+        self._configs: dict[str, TableConfig] = dict(tables)
         self._snapshots = snapshots.BankSnapshots()
 
     # ------------------------------------------------------------------ shards
@@ -710,7 +716,7 @@ class KnowledgeBank:
     @classmethod
     def attach(cls, client: Any, name: str) -> "KnowledgeBank":
         """The bank published under ``name`` by another process, through ``client``."""
-        return cls(_shards=ShardSet.attach(client, name))
+        return cls._over(ShardSet.attach(client, name))
 
     def __reduce__(self):
         """A distributed bank pickles as handles to its actors (e.g. into a Dask task); the copy
@@ -743,5 +749,5 @@ class KnowledgeBank:
 
 
 def _unpickled(shards: ShardSet, tables: dict[str, TableConfig]) -> KnowledgeBank:
-    """A bank unpickled (e.g. in a Dask task): handles to the same shards, through the constructor."""
-    return KnowledgeBank(_shards=shards, _tables=tables)
+    """A bank unpickled (e.g. in a Dask task): handles to the same shards (:meth:`KnowledgeBank._over`)."""
+    return KnowledgeBank._over(shards, tables)

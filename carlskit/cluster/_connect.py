@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
 import datetime
@@ -9,6 +10,7 @@ import logging
 import os
 import socket
 import struct
+import sys
 import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -17,7 +19,8 @@ from typing import Any
 import dask
 import distributed
 from dask.typing import no_default
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, Nanny
+from distributed.core import Status
 
 from carlskit._checks import instance, integer, positive_int
 from carlskit.cluster._environment import (
@@ -330,7 +333,7 @@ def _pre_spawn_environment(thread_limits: dict[str, str]) -> Iterator[None]:
     spawn_environ.update(thread_limits)
     saved = {name: os.environ.get(name) for name in spawn_environ}
     try:
-        with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_environ}):
+        with dask.config.set({"distributed.nanny.pre-spawn-environ": spawn_environ}), _main_not_reimported():
             yield
     finally:
         for name, value in saved.items():
@@ -338,6 +341,31 @@ def _pre_spawn_environment(thread_limits: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(name, None)
             else:
                 os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _main_not_reimported() -> Iterator[None]:
+    """Workers spawned here do not re-import the program's ``__main__``.
+
+    multiprocessing's spawn makes each new process import the parent's main module (by name for
+    ``python -m X``, by path for a script) before the worker runs, so X's top-level imports, JAX's
+    among them, came before carlskit configured the worker: ``python -m carlskit.paradigms.graph_reg
+    --workers 2`` warned "JAX was imported on worker ... before carlskit configured it" about its own
+    cluster (issue 44). A notebook's ``__main__`` has neither name nor file, so its workers import
+    nothing; while the workers spawn, the program's looks the same. (Tasks defined in ``__main__``
+    travel by value with cloudpickle and need no import there.)
+    """
+    main = sys.modules.get("__main__")
+    if main is None:
+        yield
+        return
+    saved = {name: main.__dict__[name] for name in ("__spec__", "__file__") if name in main.__dict__}
+    main.__spec__ = None
+    main.__dict__.pop("__file__", None)
+    try:
+        yield
+    finally:
+        main.__dict__.update(saved)
 
 
 def _start_group_cluster(groups: dict[str, WorkerGroup], *, dashboard_address: str | None, security: Any,
@@ -414,7 +442,61 @@ class EmbeddedClient(Client):
     """
 
     def close(self, timeout=no_default):
+        if self.cluster is not None and not self.asynchronous and self.status == "running":
+            # A worker's heartbeat in flight while the cluster retires it fails with CommClosedError,
+            # which the worker logs as a 25-line ERROR with a traceback (1 close in 6 on a quiet
+            # 2-core machine, 2 in 3 with a worker heart-beating nonstop; issue 44): the notebook's
+            # last cell looked broken. Stop the heartbeats and drop exactly those shutdown messages.
+            # (A lost or hung worker must not hold the close up: 5 s at most, errors ignored.)
+            with contextlib.suppress(Exception):
+                self.sync(self._run, _quiet_for_shutdown, on_error="ignore", callback_timeout=5)
         result = super().close(timeout=timeout)
-        if self.cluster is not None and not self.asynchronous:
+        # (Client.__del__ closes again at interpreter exit: a closed cluster is left alone.)
+        if self.cluster is not None and not self.asynchronous and self.cluster.status != Status.closed:
+            _close_workers_patiently(self.cluster)
             self.cluster.close()
+            _WORKER_LOGGER.removeFilter(_SHUTDOWN_NOISE)  # workers that were threads of this process
         return result
+
+
+class _ShutdownNoise(logging.Filter):
+    """Drops what a worker logs when its heartbeat races the closing scheduler (and nothing else)."""
+
+    MESSAGES = ("Failed to communicate with scheduler during heartbeat",
+                "Scheduler was unaware of this worker; shutting down")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.MESSAGES)
+
+
+_WORKER_LOGGER = logging.getLogger("distributed.worker")
+_SHUTDOWN_NOISE = _ShutdownNoise()
+
+
+# Seconds a worker process gets to exit when its embedded cluster closes, before its nanny kills it.
+# Dask's own close gives 4 s (0.8 x 5) and then logs "Worker process still alive after 4.0 seconds,
+# killing" on the notebook's stderr: notebook 09's last close did so at load 6-14 (issue 44).
+WORKER_EXIT_SECONDS = 20.0
+
+
+def _close_workers_patiently(cluster: Any) -> None:
+    """Close the cluster's nannies (its worker processes) with :data:`WORKER_EXIT_SECONDS` each, all
+    at once; the cluster's own close then finds them closed."""
+    nannies = [worker for worker in dict(getattr(cluster, "workers", {}) or {}).values() if isinstance(worker, Nanny)]
+    if not nannies:
+        return
+
+    async def close_all() -> None:
+        await asyncio.gather(*(nanny.close(timeout=WORKER_EXIT_SECONDS) for nanny in nannies), return_exceptions=True)
+
+    with contextlib.suppress(Exception):  # the cluster's own close still runs, with Dask's timeouts
+        cluster.sync(close_all)
+
+
+def _quiet_for_shutdown(dask_worker: Any) -> None:
+    """Run on every worker just before an embedded cluster closes: no new heartbeat starts, and
+    one already in flight fails without logging (the worker is about to be retired anyway)."""
+    callback = dask_worker.periodic_callbacks.get("heartbeat")
+    if callback is not None:
+        callback.stop()
+    _WORKER_LOGGER.addFilter(_SHUTDOWN_NOISE)  # a no-op when already added

@@ -14,6 +14,7 @@ import argparse
 import ast
 import contextlib
 import functools
+import importlib
 import json
 import sys
 import warnings
@@ -86,10 +87,17 @@ def _data_option(parser: argparse.ArgumentParser, digits: bool) -> None:
     parser.add_argument("--data", default="cora", help=choices + (", or 'digits'" if digits else ""))
 
 
+def _program(paradigm: str) -> str:
+    """How the user called it: ``carlskit-graph-reg`` (the console script) or ``python -m ...``."""
+    command = Path(sys.argv[0]).name if sys.argv else ""
+    script = f"carlskit-{paradigm.replace('_', '-')}"
+    return script if command == script else f"python -m carlskit.paradigms.{paradigm}"
+
+
 def paradigm_parser(paradigm: str) -> argparse.ArgumentParser:
     """The command-line parser of ``python -m carlskit.paradigms.PARADIGM``; imports nothing heavy."""
     parser = argparse.ArgumentParser(
-        prog=f"python -m carlskit.paradigms.{paradigm}", description=_description(paradigm),
+        prog=_program(paradigm), description=_description(paradigm),
         epilog="Prints one JSON object, the results, as the last line on stdout; progress bars go to stderr.",
         formatter_class=_HelpFormatter)
     if paradigm == "graph_reg":
@@ -238,3 +246,25 @@ def makers_running(makers: Sequence[tuple[Any, Any]], bank: Any, client: Any = N
     if errors:
         warnings.warn(f"{len(errors)} maker error(s), each recovered by restarting its slice; the first: "
                       f"{errors[0]}", RuntimeWarning, stacklevel=3)
+
+
+def console_script(paradigm: str) -> Callable[[], None]:
+    """The entry point of the ``carlskit-<paradigm>`` command (``[project.scripts]`` in pyproject.toml):
+    the command line of ``python -m carlskit.paradigms.<paradigm>``, installed in the environment's
+    ``bin/``, so ``.venv/bin/carlskit-graph-reg`` runs in carlskit's environment without activating it
+    (a bare ``python -m ...`` outside it failed with "No module named 'fsspec'"; issue 44)."""
+
+    def run() -> None:
+        parse_arguments(paradigm)  # --help and usage errors answer before the paradigm imports JAX
+        importlib.import_module(f"carlskit.paradigms.{paradigm}").main()
+
+    run.__name__ = run.__qualname__ = paradigm
+    return run
+
+
+graph_reg = console_script("graph_reg")
+label_mining = console_script("label_mining")
+gam = console_script("gam")
+two_tower = console_script("two_tower")
+gnn = console_script("gnn")
+node_embeddings = console_script("node_embeddings")

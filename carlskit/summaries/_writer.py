@@ -194,8 +194,8 @@ class SummaryWriter:
         restart_policy: RestartPolicy | float | None = None,
         workers: list[str] | str | None = None,
         resources: dict[str, float] | None = None,
-        _aggregators: list | None = None,
     ):
+        aggregators = _adopted_aggregators.get()  # set by _rebuild_writer only: the private constructor path
         _checks.path(logdir, "logdir")
         self.sample_rate = _check_rate(sample_rate)
         self.flush_every_seconds = _checks.positive_float(flush_every_seconds, "flush_every_seconds")
@@ -204,7 +204,7 @@ class SummaryWriter:
             block_seconds, "block_seconds", minimum=0.0)
         self.restart_policy = _restart_policy(restart_policy)
         self.placement = Placement.of(workers, resources)
-        if client is None and _aggregators is None and self.placement.restricted:
+        if client is None and aggregators is None and self.placement.restricted:
             raise ValueError("workers/resources place aggregators on a Dask cluster: pass a client too")
         if n_shards is not None:
             n_shards = _checks.integer(n_shards, "n_shards", 1, MAX_SHARDS)
@@ -228,7 +228,7 @@ class SummaryWriter:
         self._gave_up: str | None = None
         self._closed = False
         self._alarm = False  # closed, a background error or a give-up: checked by every call
-        self._delivery = Delivery(self.logdir, self.restart_policy, self.placement, client, n_shards, _aggregators,
+        self._delivery = Delivery(self.logdir, self.restart_policy, self.placement, client, n_shards, aggregators,
                                   self._freed, self._give_up)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -574,8 +574,17 @@ def _flush_loop(writer_ref, wake: threading.Event, stop: threading.Event) -> Non
 def _rebuild_writer(logdir, aggregators, sample_rate, flush_every_seconds, max_pending,
                     block_seconds=None, policy=None, placement=None):
     placement = placement or Placement()
-    return SummaryWriter(logdir, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds,
-                         seed=None, max_pending=max_pending, block_seconds=block_seconds,
-                         restart_policy=policy, workers=placement.workers, resources=placement.resources,
-                         _aggregators=aggregators)
+    adopting = _adopted_aggregators.set(aggregators)
+    try:
+        return SummaryWriter(logdir, sample_rate=sample_rate, flush_every_seconds=flush_every_seconds,
+                             seed=None, max_pending=max_pending, block_seconds=block_seconds,
+                             restart_policy=policy, workers=placement.workers, resources=placement.resources)
+    finally:
+        _adopted_aggregators.reset(adopting)
+
+
+# The aggregators an unpickled writer adopts (its private constructor path: the public signature carries
+# no private parameter; issue 44). None: a new writer starts its own.
+_adopted_aggregators: contextvars.ContextVar[list | None] = contextvars.ContextVar("carlskit_adopted_aggregators",
+                                                                                  default=None)
 
