@@ -214,6 +214,13 @@ def test_bad_arguments_are_named():
         carlskit.connect(threads_per_worker=0)
 
 
+def run_program(script: Path) -> subprocess.CompletedProcess:
+    """Run ``script`` as a program with this checkout importable; its captured output."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+
+
 CLOSE_WHILE_HEARTBEATING = r'''
 import sys, time
 import carlskit
@@ -239,9 +246,7 @@ def test_closing_an_embedded_cluster_while_workers_heartbeat_prints_no_error(tmp
     # CommClosedError" block: 2 closes in 3 with workers heart-beating nonstop (as here), 1 in 6 as run.
     script = tmp_path / "close_while_heartbeating.py"
     script.write_text(CLOSE_WHILE_HEARTBEATING)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    run = run_program(script)
     output = run.stdout + run.stderr
     assert run.returncode == 0 and "closed three times" in run.stdout, output[-3000:]
     assert "ERROR" not in output and "Traceback" not in output, output[-3000:]
@@ -264,9 +269,7 @@ def test_a_program_that_imports_jax_gets_workers_configured_before_jax(tmp_path)
     # carlskit's plugin ran: the CLI warned "JAX was imported on worker ..." about its own cluster (issue 44).
     script = tmp_path / "program_importing_jax.py"
     script.write_text(PROGRAM_IMPORTING_JAX)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    run = run_program(script)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "configured before JAX: True" in run.stdout, run.stdout + run.stderr[-3000:]
     assert "before carlskit configured it" not in run.stderr, run.stderr[-3000:]
@@ -292,8 +295,6 @@ def test_a_worker_slow_to_exit_is_waited_for_not_killed_with_a_warning(tmp_path)
     # after 4.0 seconds, killing" on its stderr at load 6-14 (issue 44): workers now get WORKER_EXIT_SECONDS.
     script = tmp_path / "slow_to_exit.py"
     script.write_text(SLOW_TO_EXIT)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                       os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240, env=env)
+    run = run_program(script)
     assert run.returncode == 0 and "closed" in run.stdout, run.stderr[-3000:]
     assert "still alive" not in run.stderr and "WARNING" not in run.stderr, run.stderr[-3000:]
