@@ -208,7 +208,7 @@ def distributed_mode(num_rows: int, calls: int, only: tuple[str, ...] | None = N
         echoes = [client.submit(EchoShard, DIM, BATCH, actor=True, workers=[worker],
                                 pure=False).result() for worker in kb.shard_workers]
         # the same shards reached through Dask's actor RPC only (the transport before the direct path)
-        kb_dask = KnowledgeBank(_shards=kb._shards.with_direct(None))
+        kb_dask = KnowledgeBank._over(kb._shards.with_direct(None))
         assert kb.transport == "direct" and kb_dask.transport == "dask", kb.transport
         half = BATCH // 2
         print(f"distributed: filled {num_rows} rows on 2 workers", flush=True)

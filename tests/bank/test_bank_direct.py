@@ -265,7 +265,7 @@ def test_an_unreachable_endpoint_falls_back_to_the_actor(client):
         dead_end = f"tcp://127.0.0.1:{unused.getsockname()[1]}"
     addresses = [dict(kb._shards.direct.addresses[0]), kb._shards.direct.addresses[1]]
     addresses[0]["endpoint"] = dead_end  # as seen from behind NAT, say
-    behind_nat = KnowledgeBank(_shards=kb._shards.with_direct(DirectPath(addresses, reach_seconds=0.5)))
+    behind_nat = KnowledgeBank._over(kb._shards.with_direct(DirectPath(addresses, reach_seconds=0.5)))
     np.testing.assert_array_equal(behind_nat.lookup("emb", keys)[0], expected)
     assert not behind_nat._shards.direct.serves(0, "lookup") and behind_nat._shards.direct.serves(1, "lookup")
     kb.close()
