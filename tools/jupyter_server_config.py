@@ -4,8 +4,9 @@
 and execution count cleared (``tools/nbstrip.py``'s rule, so the tracked file is unchanged when only
 outputs changed and ``git status`` stays clean), and writes the notebook *with* its outputs to
 ``executed/NAME.ipynb`` beside it (git-ignored): open that to see the last run's results. The kernel's
-``language_info`` stays in the saved file, so starting a kernel does not mark the notebook modified;
-git's clean filter (``.gitattributes``) drops it, and covers notebooks saved by other tools.
+``language_info`` stays in the saved file (and in git: ``tools/nbstrip.py`` says why), so starting a
+kernel does not mark the notebook modified; git's clean filter (``.gitattributes``) covers notebooks
+saved by other tools.
 """
 
 import copy
@@ -31,7 +32,7 @@ def save_without_outputs(model, path, contents_manager, **kwargs):
     temporary = target.with_name(f".{target.name}.tmp")
     nbformat.write(nbformat.from_dict(copy.deepcopy(model["content"])), str(temporary))
     os.replace(temporary, target)
-    strip(model["content"], keep_language_info=True)  # what the kernel writes at start stays: no 'modified'
+    strip(model["content"])  # the kernel's language_info stays: a kernel start changes nothing
 
 
 # jupyter_server validates a configured pre_save_hook once per class section it loads and warns, on the

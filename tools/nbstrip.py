@@ -8,14 +8,15 @@ cleared and run-specific metadata (execution timings, widget state) dropped, in 
 itself writes (sorted keys, one-space indent, trailing newline), so a committed notebook passes
 through unchanged. What a plain save in JupyterLab adds to an unchanged notebook is normalised too:
 a cell's source as one string (Jupyter writes its list of lines), the kernel's display name
-(``Python 3`` or ``Python 3 (ipykernel)``: one name), the kernel's
-``language_info`` block (the interpreter's version: it differs per machine) and a cell id for a cell
-that has none (JupyterLab invents a random one). Standard library only: git runs it with any Python 3.
+(``Python 3`` or ``Python 3 (ipykernel)``: one name) and a cell id for a cell that has none
+(JupyterLab invents a random one). Standard library only: git runs it with any Python 3.
 
-JupyterLab's save hook (``tools/jupyter_server_config.py``) strips with ``keep_language_info=True``:
-the file JupyterLab holds keeps the block its kernel writes, so the next kernel start sets the same
-value and the notebook stays unmodified (dropping it there made every opened notebook ask "save
-changes?" on close; issue 44). Only what git stores drops it.
+The kernel's ``language_info`` block is kept, and committed (as Python 3.11's kernel writes it): a
+kernel start then sets the value the file already holds, so an opened notebook stays unmodified
+(dropping it made every opened notebook ask "save changes?" on close; issue 44). It cannot be dropped
+in git's filter only: git trusts a file whose size differs from the checked-out one to be modified
+without running the filter, so the file JupyterLab saves must be byte for byte what git stores. A
+kernel of another Python version writes its own version there: that notebook shows as modified.
 """
 
 from __future__ import annotations
@@ -24,15 +25,13 @@ import json
 import sys
 
 _VOLATILE_CELL_METADATA = ("execution", "ExecuteTime", "collapsed", "scrolled")
-_VOLATILE_NOTEBOOK_METADATA = ("widgets", "language_info")
-_KERNEL_METADATA = ("language_info",)  # written by the kernel at every start: kept where JupyterLab reads it
+_VOLATILE_NOTEBOOK_METADATA = ("widgets",)
 # The kernelspec every committed notebook names (what ipykernel's kernel.json says, so saving keeps it).
 KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
 
 
-def strip(notebook: dict, *, keep_language_info: bool = False) -> dict:
-    """Clear outputs and run-specific metadata in place (``keep_language_info``: the save hook's rule,
-    for the file JupyterLab holds; git's filter drops it)."""
+def strip(notebook: dict) -> dict:
+    """Clear outputs and run-specific metadata in place (git's filter and JupyterLab's save alike)."""
     taken = {cell["id"] for cell in notebook.get("cells", []) if "id" in cell}
     for number, cell in enumerate(notebook.get("cells", [])):
         if "id" not in cell and (notebook.get("nbformat"), notebook.get("nbformat_minor", 0)) >= (4, 5):
@@ -52,8 +51,7 @@ def strip(notebook: dict, *, keep_language_info: bool = False) -> dict:
             metadata.pop(key, None)
     metadata = notebook.get("metadata", {})
     for key in _VOLATILE_NOTEBOOK_METADATA:
-        if not (keep_language_info and key in _KERNEL_METADATA):
-            metadata.pop(key, None)
+        metadata.pop(key, None)
     if metadata.get("kernelspec", {}).get("name") == KERNELSPEC["name"]:
         metadata["kernelspec"] = dict(KERNELSPEC)
     return notebook

@@ -7,9 +7,8 @@ in the kernel's environment), waiting for the kernel, saving with Ctrl+S. Then:
 - every widget output is rendered in the page (a visible box, not "Error displaying widget"), and the
   copy saved with outputs (``notebooks/executed/NAME.ipynb``, what ``make docs`` renders) shows a
   static frame for each (``notebook_checks.unseen_outputs``, the check every notebook run gets);
-- the save leaves the notebook as git sees it (``tools/nbstrip.py``, the clean filter: the file keeps
-  the kernel's ``language_info``, so the next kernel start does not mark it modified) and ``git status``
-  as they were (the README's promise).
+- the save leaves the notebook's bytes (the kernel's ``language_info`` included: ``tools/nbstrip.py``)
+  and ``git status`` as they were (the README's promise).
 
 The kernels see the same ``$IPYTHONDIR`` as nbmake's (the repository's ``conftest.py``), so every table a
 notebook displays is checked here too. Chromium missing: a skip locally, a failure in CI.
@@ -20,7 +19,6 @@ from __future__ import annotations
 import difflib
 import os
 import subprocess
-import sys
 import time
 
 import nbformat
@@ -114,12 +112,6 @@ def save(page, executed) -> None:
     raise AssertionError(f"saving did not write {executed.relative_to(REPO_ROOT)} within 60 s")
 
 
-def as_git_stores(text: bytes) -> bytes:
-    """A notebook as git's clean filter stores it (tools/nbstrip.py)."""
-    return subprocess.run([sys.executable, str(REPO_ROOT / "tools" / "nbstrip.py")], input=text, capture_output=True,
-                          timeout=60, check=True).stdout
-
-
 @pytest.mark.parametrize("name", NAMES)
 def test_run_all_in_jupyterlab_shows_every_result_and_saving_leaves_git_clean(lab, browser, name):
     path, executed = NOTEBOOKS / name, EXECUTED / name
@@ -137,7 +129,7 @@ def test_run_all_in_jupyterlab_shows_every_result_and_saving_leaves_git_clean(la
     notebook = nbformat.read(executed, as_version=4)
     problems = page_problems(state, notebook) + saved_problems(notebook)
     saved = path.read_bytes()
-    if as_git_stores(saved) != as_git_stores(committed):
+    if saved != committed:
         restore = path.with_name(f".{path.name}.restore")
         restore.write_bytes(committed)
         os.replace(restore, path)  # the checkout as it was; the test still fails
