@@ -189,15 +189,17 @@ def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: 
     eps = _sample_perturbations(eps_key, meta_params, num_tasks)
     acc = jax.tree.map(lambda a, e: a + e, acc, eps)
 
-    def member(theta, inner_state, task_key, tp):
-        new_state, losses = unroll(rule, task, theta, inner_state, task_key, tp, truncation_length, time_scale)
+    def member(theta, inner_state, task_key, tp, length):
+        # ``length``: the episode's whole length, for rules that read the fraction of training done.
+        new_state, losses = unroll(rule, task, theta, inner_state, task_key, tp, truncation_length, time_scale,
+                                   run_length=length)
         return new_state, aggregate_losses(losses, aggregation)
 
-    def pair(inner_pair, task_key, tp, eps_i):
+    def pair(inner_pair, task_key, tp, eps_i, length):
         thetas = _pair_params(meta_params, eps_i, std)
-        return jax.vmap(member, in_axes=(0, 0, None, None))(thetas, inner_pair, task_key, tp)
+        return jax.vmap(member, in_axes=(0, 0, None, None, None))(thetas, inner_pair, task_key, tp, length)
 
-    new_inner, pair_losses = jax.vmap(pair)(inner, task_keys, task_params, eps)
+    new_inner, pair_losses = jax.vmap(pair)(inner, task_keys, task_params, eps, episode_end)
     grad, valid = antithetic_combine(pair_losses, acc, std)
     # A diverged pair is restarted at the next call.
     episode_end = jnp.where(valid, episode_end, 0)

@@ -78,7 +78,8 @@ def evaluation_curves(rule: UpdateRule, task: Task, meta_params: PyTree, task_ke
         def body(state, _):
             batches = [task.batch(jax.random.fold_in(stream, state.step), task_params) for stream in streams]
             held_out = [task.loss(state.params, batch, task_params) for batch in batches[1:]]
-            state, loss = inner_step(rule, task, meta_params, state, batches[0], task_params, time_scale)
+            state, loss = inner_step(rule, task, meta_params, state, batches[0], task_params, time_scale,
+                                     num_steps)
             return state, jnp.stack([loss, *held_out])
 
         state = init_inner_state(rule, task, task_key, task_params)

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from carlskit.lopt._protocols import Task, UpdateRule
+from carlskit.lopt._protocols import Task, UpdateRule, call_update
 
 PyTree = Any
 
@@ -34,15 +34,19 @@ def init_inner_state(rule: UpdateRule, task: Task, task_key: jax.Array, task_par
 
 
 def inner_step(rule: UpdateRule, task: Task, meta_params: PyTree, state: InnerState, batch: PyTree,
-               task_params: PyTree, time_scale: float = 1.0) -> tuple[InnerState, jax.Array]:
+               task_params: PyTree, time_scale: float = 1.0,
+               num_steps: int | jax.Array | None = None) -> tuple[InnerState, jax.Array]:
     """One inner training step, the only one: training (:func:`unroll`, hence every estimator, ES
     worker and ``meta_train``) and evaluation (:func:`carlskit.lopt.evaluation_curves`) both call it.
 
-    ``l, g = value_and_grad(loss)(p, batch)``; ``updates, s = rule.update(theta, s, g, p, time_scale)``;
-    ``p <- p + updates``; the step counter advances. Returns the new state and ``l``.
+    ``l, g = value_and_grad(loss)(p, batch)``; ``updates, s = rule.update(theta, s, g, p, time_scale)``
+    (through :func:`carlskit.lopt._protocols.call_update`: a rule that reads them also gets
+    ``loss=l`` and ``num_steps``, the length of the whole run); ``p <- p + updates``; the step
+    counter advances. Returns the new state and ``l``.
     """
     loss, grads = jax.value_and_grad(task.loss)(state.params, batch, task_params)
-    updates, opt_state = rule.update(meta_params, state.opt_state, grads, state.params, time_scale)
+    updates, opt_state = call_update(rule, meta_params, state.opt_state, grads, state.params, time_scale,
+                                     loss=loss, num_steps=num_steps)
     params = jax.tree.map(lambda p, u: p + u, state.params, updates)
     return InnerState(params, opt_state, state.step + 1), loss
 
@@ -63,8 +67,13 @@ def _prefetch_length(task: Task, task_params: PyTree, num_steps: int) -> int:
 
 
 def unroll(rule: UpdateRule, task: Task, meta_params: PyTree, state: InnerState, task_key: jax.Array,
-           task_params: PyTree, num_steps: int, time_scale: float = 1.0) -> tuple[InnerState, jax.Array]:
+           task_params: PyTree, num_steps: int, time_scale: float = 1.0,
+           run_length: int | jax.Array | None = None) -> tuple[InnerState, jax.Array]:
     """Run ``num_steps`` inner steps; returns the final state and the minibatch loss of each step.
+
+    ``run_length``: the length of the whole run these steps are part of, given to rules that read
+    it (:func:`inner_step`); ``None``: ``num_steps`` (an unroll from the start to the end, as in
+    :func:`train_task`). A truncated unroll (PES) passes its episode's length, a traced scalar.
 
     Step ``t``: ``l_t, g_t = value_and_grad(loss)(p_t, batch_t)``; ``p_{t+1} = p_t + update(g_t)``,
     ``batch_t = task.batch(fold_in(fold_in(task_key, 1), t))``. The minibatches of a chunk of steps
@@ -72,6 +81,7 @@ def unroll(rule: UpdateRule, task: Task, meta_params: PyTree, state: InnerState,
     as drawing them step by step).
     """
     data_key = jax.random.fold_in(task_key, 1)
+    length_of_run = num_steps if run_length is None else run_length
 
     def run(carry: InnerState, length: int) -> tuple[InnerState, jax.Array]:
         steps = carry.step + jnp.arange(length, dtype=carry.step.dtype)
@@ -82,7 +92,7 @@ def unroll(rule: UpdateRule, task: Task, meta_params: PyTree, state: InnerState,
             # plain slice of ``batches`` (scanning over ``batches`` itself would first transpose
             # them to put the step axis in front of the vmapped axis).
             batch = jax.tree.map(lambda b: jax.lax.dynamic_index_in_dim(b, index, keepdims=False), batches)
-            return inner_step(rule, task, meta_params, carry, batch, task_params, time_scale)
+            return inner_step(rule, task, meta_params, carry, batch, task_params, time_scale, length_of_run)
 
         return jax.lax.scan(body, carry, jnp.arange(length))
 

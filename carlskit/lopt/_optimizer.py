@@ -36,7 +36,7 @@ from carlskit.lopt._outer import (
     outer_optimizer_of,
     worker_estimate,
 )
-from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
+from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule, call_update, uses_loss_and_num_steps
 from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
 from carlskit.lopt._tasks import as_task_family
 
@@ -106,7 +106,10 @@ class LearnedOptimizer:
 
         ``num_steps``: the length of the run it will be used for; the time features then see
         ``t * train_horizon / num_steps`` so a schedule learned for ``train_horizon`` stretches to
-        the new length. Extra arguments such as ``loss=`` are accepted and ignored.
+        the new length. Extra arguments such as ``loss=`` are accepted and ignored, except optax's
+        ``value=`` (the loss at ``params``) for a rule that reads the loss (e.g.
+        :class:`NominalAdamRule`): it needs ``num_steps`` here and ``tx.update(grads, state, params,
+        value=loss)`` (ValueError naming the missing one).
 
         Params must have real floating dtypes (TypeError naming the leaf, e.g. ``params['b']``);
         grads and state must match params leaf by leaf (ValueError naming the leaf and both shapes).
@@ -117,6 +120,9 @@ class LearnedOptimizer:
             num_steps = positive_int(num_steps, "num_steps")
         time_scale = 1.0 if num_steps is None or self.train_horizon is None else self.train_horizon / num_steps
         rule = self.rule
+        if uses_loss_and_num_steps(rule) and num_steps is None:
+            raise ValueError(f"num_steps: {type(rule).__name__} schedules its step size over the run; "
+                             "give the run's length, as_optax(num_steps=...)")
 
         # Checks are Python on dtypes and static shapes: under jit they run once, at trace time.
         def init_fn(params: PyTree) -> PyTree:
@@ -124,14 +130,17 @@ class LearnedOptimizer:
             return rule.init_state(params)
 
         def update_fn(updates: PyTree, state: PyTree, params: PyTree | None = None, **extra_args: Any):
-            del extra_args
             if params is None:
                 raise ValueError("params: the learned optimizer reads parameter values; "
                                  "call tx.update(grads, state, params)")
             check_real_floating(params, "params")
             check_same_layout(params, "params", updates, "grads")
             check_real_floating(updates, "grads")
-            return rule.update(theta, state, updates, params, time_scale)
+            value = extra_args.get("value")
+            if uses_loss_and_num_steps(rule) and value is None:
+                raise ValueError(f"value: {type(rule).__name__} reads the loss; call "
+                                 "tx.update(grads, state, params, value=loss)")
+            return call_update(rule, theta, state, updates, params, time_scale, loss=value, num_steps=num_steps)
 
         return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -34,7 +34,7 @@ import optax
 from carlskit._checks import choice, integer, positive_float, positive_int
 from carlskit.lopt._estimators import make_full_es_estimator, make_pes_estimator
 from carlskit.lopt._inner import check_aggregation
-from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule
+from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule, uses_loss_and_num_steps
 
 PyTree = Any
 ESTIMATORS = ("es", "pes")
@@ -315,6 +315,9 @@ def self_optimizer(rule: UpdateRule, *, warmup: optax.GradientTransformation | N
     """
     warmup_steps = integer(warmup_steps, "warmup_steps", 0)
     time_scale = positive_float(time_scale, "time_scale")
+    if uses_loss_and_num_steps(rule):
+        raise ValueError(f"rule: {type(rule).__name__} reads the loss and the run's length, which self-training "
+                         "(an outer step sees only the meta-gradient) does not have")
     if warmup is None and warmup_steps:
         warmup = optax.adam(3e-3)
     if warmup is not None and not isinstance(warmup, optax.GradientTransformation):
