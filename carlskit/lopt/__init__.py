@@ -3,8 +3,10 @@ transformations, the tasks they train, and their meta-training, in three concept
 
 * **Rules and optimizers** (this namespace): the contract ``UpdateRule``; the rules
   ``MLPUpdateRule``, ``HierarchicalRule`` (per-tensor MLP over Adam-like directions, the shipped
-  one) and ``LearnableAdamRule``; ``LearnedOptimizer`` (``as_optax``, save/load, ``pretrained``,
-  single-process ``meta_train``) and ``LearnableAdam``; the baselines and the comparison with them:
+  one), ``NominalAdamRule`` (Adam's direction, a learned schedule and a bounded learned
+  correction; it reads the loss and the run's length) and ``LearnableAdamRule``;
+  ``LearnedOptimizer`` (``as_optax``, save/load, ``pretrained``, single-process ``meta_train``)
+  and ``LearnableAdam``; the baselines and the comparison with them:
   ``optax_train_curves``, ``tuned_adam`` / ``tuned_learning_rate`` / ``tuned_sgd_learning_rate``
   over ``ADAM_LEARNING_RATES`` or ``WIDE_ADAM_LEARNING_RATES``, ``compare_to_tuned_adam``,
   ``compare_at_horizons`` (issue 30's protocol), ``summarize_comparison``, ``final_loss``,
@@ -23,6 +25,7 @@ at load: widgets (``carlskit.widgets``) are imported where they are shown.
 """
 
 from carlskit.lopt import meta_training, tasks
+from carlskit.lopt._nominal import NominalAdamRule
 from carlskit.lopt._optimizer import (
     ADAM_LEARNING_RATES,
     WIDE_ADAM_LEARNING_RATES,
@@ -44,7 +47,8 @@ from carlskit.lopt.meta_training import *  # noqa: F403  (importable from here a
 from carlskit.lopt.tasks import *  # noqa: F403
 
 __all__ = [
-    "UpdateRule", "MLPUpdateRule", "HierarchicalRule", "LearnableAdamRule", "LearnedOptimizer", "LearnableAdam",
+    "UpdateRule", "MLPUpdateRule", "HierarchicalRule", "NominalAdamRule", "LearnableAdamRule", "LearnedOptimizer",
+    "LearnableAdam",
     "optax_train_curves", "ADAM_LEARNING_RATES", "WIDE_ADAM_LEARNING_RATES", "tuned_adam", "tuned_learning_rate",
     "tuned_sgd_learning_rate", "compare_to_tuned_adam", "compare_at_horizons", "summarize_comparison",
     "final_loss", "geometric_mean_ratio", "tasks", "meta_training",

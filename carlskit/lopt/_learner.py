@@ -63,7 +63,7 @@ from carlskit.lopt._outer import (
     outer_optimizer_of,
 )
 from carlskit.lopt._protocols import UpdateRule
-from carlskit.lopt._rules import rule_to_config
+from carlskit.lopt._rule_config import rule_to_config
 
 logger = logging.getLogger("carlskit.lopt.learner")
 

@@ -37,7 +37,8 @@ from carlskit.lopt._outer import (
     worker_estimate,
 )
 from carlskit.lopt._protocols import Task, TaskFamily, UpdateRule, call_update, uses_loss_and_num_steps
-from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule, rule_from_config, rule_to_config
+from carlskit.lopt._rule_config import rule_from_config, rule_to_config
+from carlskit.lopt._rules import LearnableAdamRule, MLPUpdateRule
 from carlskit.lopt._tasks import as_task_family
 
 PyTree = Any

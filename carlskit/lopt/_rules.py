@@ -180,14 +180,15 @@ class MLPUpdateRule(UpdateRule):
 
 
 def check_update_arguments(rule: UpdateRule, state: PyTree, grads: PyTree, params: PyTree,
-                           per_param_state: dict[str, tuple[int, ...]]) -> None:
+                           per_param_state: dict[str, tuple[int, ...]], other_state: tuple[str, ...] = ()) -> None:
     """``grads`` and every ``state[name]`` in ``per_param_state`` must have the pytree structure of
-    ``params`` and its leaf shapes (with the given leading axes in front); ``state['step']`` a scalar.
+    ``params`` and its leaf shapes (with the given leading axes in front); ``state['step']`` a scalar;
+    ``state`` holds exactly these keys and ``other_state`` (per-run entries, e.g. loss statistics).
 
     Pure Python on static shapes: under ``jit`` it runs once, when the update is traced.
     """
     check_same_layout(params, "params", grads, "grads")
-    check_state_keys(state, (*per_param_state, "step"), rule)
+    check_state_keys(state, (*per_param_state, *other_state, "step"), rule)
     for name, leading_shape in per_param_state.items():
         check_same_layout(params, "params", state[name], f"state['{name}']", leading_shape)
     if np.shape(state["step"]) != ():
@@ -357,21 +358,3 @@ class HierarchicalRule(UpdateRule):
             updates.append((-step_sizes[i] * direction).astype(jnp.result_type(p)))
         return treedef.unflatten(updates), {"momenta": treedef.unflatten(new_momenta),
                                             "nu": treedef.unflatten(new_nu), "step": step}
-
-
-RULE_KINDS: dict[str, type] = {MLPUpdateRule.kind: MLPUpdateRule, LearnableAdamRule.kind: LearnableAdamRule,
-                               HierarchicalRule.kind: HierarchicalRule}
-
-
-def rule_to_config(rule: UpdateRule) -> dict[str, Any]:
-    """JSON-able description of a rule (``kind`` plus its dataclass fields)."""
-    fields = {f.name: getattr(rule, f.name) for f in dataclasses.fields(rule)}
-    return {"kind": rule.kind, **{k: list(v) if isinstance(v, tuple) else v for k, v in fields.items()}}
-
-
-def rule_from_config(config: dict[str, Any]) -> Any:
-    config = dict(config)
-    kind = config.pop("kind", None)
-    if kind not in RULE_KINDS:
-        raise ValueError(f"config['kind'] must be one of {sorted(RULE_KINDS)}, got {kind!r}")
-    return RULE_KINDS[kind](**{k: tuple(v) if isinstance(v, list) else v for k, v in config.items()})
