@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from carlskit._checks import positive_float
 from carlskit.lopt._protocols import Task, UpdateRule, call_update
 
 PyTree = Any
@@ -118,6 +119,37 @@ def aggregate_losses(losses: jax.Array, aggregation: str) -> jax.Array:
     if aggregation == "mean":
         return jnp.mean(losses, axis=-1)
     return losses[..., -1]
+
+
+def mean_log_loss_ratio(final_losses: jax.Array, reference_losses: jax.Array,
+                        initial_losses: jax.Array | None = None, floor_fraction: float = 1e-3) -> jax.Array:
+    """Issue 41's meta-loss: ``mean_i log(max(L_i, f l0_i) / max(R_i, f l0_i))`` over tasks ``i``.
+
+    ``L_i``: a task's final loss under the learned rule, ``R_i`` its reference (tuned Adam's final
+    loss, precomputed per meta-training task), ``l0_i`` its initial loss and ``f = floor_fraction``
+    (issue 30's protocol: losses floored at ``1e-3`` of the initial one, so a task solved to zero
+    by both counts as a tie; ``initial_losses=None``: no floor). 0 means "as good as tuned Adam" in
+    geometric mean, negative better; the metric the held-out comparison reports
+    (:func:`carlskit.lopt.geometric_mean_ratio` is ``exp`` of it). A NaN final loss (diverged) counts
+    as ``+inf``. Pure ``jnp``: usable inside jitted estimators and ``vmap``.
+
+    Shapes must match (ValueError naming the argument); losses are expected positive.
+    """
+    final_losses = jnp.asarray(final_losses, jnp.float32)
+    reference_losses = jnp.asarray(reference_losses, jnp.float32)
+    if final_losses.ndim != 1 or final_losses.shape[0] == 0:
+        raise ValueError(f"final_losses must be a non-empty 1-D array (one loss per task), got shape "
+                         f"{final_losses.shape}")
+    if reference_losses.shape != final_losses.shape:
+        raise ValueError(f"reference_losses: shape {reference_losses.shape}, final_losses {final_losses.shape}")
+    final_losses = jnp.where(jnp.isnan(final_losses), jnp.inf, final_losses)
+    if initial_losses is not None:
+        initial_losses = jnp.asarray(initial_losses, jnp.float32)
+        if initial_losses.shape != final_losses.shape:
+            raise ValueError(f"initial_losses: shape {initial_losses.shape}, final_losses {final_losses.shape}")
+        floor = positive_float(floor_fraction, "floor_fraction") * initial_losses
+        final_losses, reference_losses = jnp.maximum(final_losses, floor), jnp.maximum(reference_losses, floor)
+    return jnp.mean(jnp.log(final_losses) - jnp.log(reference_losses))
 
 
 def train_task(rule: UpdateRule, task: Task, meta_params: PyTree, task_key: jax.Array, num_steps: int,

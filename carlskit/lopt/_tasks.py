@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from carlskit._checks import finite_float, integer, positive_int
+from carlskit._checks import choice, finite_float, integer, positive_int
 from carlskit.lopt._checks import positive_ints
 from carlskit.lopt._protocols import Task, TaskFamily
 
@@ -475,28 +475,43 @@ class MatrixCompletionTask(Task):
         return 0.5 * jnp.mean(jnp.square(predicted - task_params["matrix"][batch["row"], batch["col"]]))
 
 
+RESCALE_GRANULARITIES: tuple[str, ...] = ("tensor", "global", "entry")
+
+
 @dataclasses.dataclass(frozen=True)
 class RescaledTask(Task):
-    """Task augmentation by parameter rescaling (VeLO; Metz et al. 2020, Sec. 4): the optimizer trains
-    ``q`` with ``params = scale * q``, ``scale`` log-uniform over ``[1/max_scale, max_scale]`` per
-    instance (one per parameter tensor). The problem is the same, but the optimizer sees parameters
-    scaled by ``1/scale`` and gradients by ``scale``, so it cannot key on their magnitudes."""
+    """Task augmentation by parameter rescaling (VeLO; Metz et al. 2020, Sec. 4; Celo's weight-scale
+    augmentation): the optimizer trains ``q`` with ``params = scale * q``, ``scale`` log-uniform over
+    ``[1/max_scale, max_scale]`` per instance. The problem is the same, but the optimizer sees
+    parameters scaled by ``1/scale`` and gradients by ``scale``, so it cannot key on their magnitudes.
+
+    ``granularity``: one scale per parameter ``"tensor"`` (the default), one for the whole model
+    (``"global"``) or one per ``"entry"``. Celo (Moudgil et al. 2025, Sec. 4) draws scales in
+    ``[1e-3, 1e3]`` at each of the three: ``RescaledTask(task, 1e3, granularity)``."""
 
     task: Task
     max_scale: float = 10.0
+    granularity: str = "tensor"
 
     def __post_init__(self) -> None:
         if not isinstance(self.task, Task):
             raise TypeError(f"task must be a Task, got {type(self.task).__name__}")
         object.__setattr__(self, "max_scale", finite_float(self.max_scale, "max_scale", minimum=1.0))
+        object.__setattr__(self, "granularity", choice(self.granularity, "granularity", RESCALE_GRANULARITIES))
 
     def sample_task_params(self, key: jax.Array) -> PyTree:
         inner_key, scale_key = jax.random.split(key)
         inner = self.task.sample_task_params(inner_key)
         shapes = jax.eval_shape(lambda: self.task.init(jax.random.PRNGKey(0), inner))
-        keys = jax.random.split(scale_key, len(jax.tree.leaves(shapes)))
+        leaves = jax.tree.leaves(shapes)
         bound = math.log(self.max_scale)
-        scales = [jnp.exp(jax.random.uniform(k, (), minval=-bound, maxval=bound)) for k in keys]
+        if self.granularity == "global":
+            scale = jnp.exp(jax.random.uniform(scale_key, (), minval=-bound, maxval=bound))
+            scales = [scale for _ in leaves]
+        else:
+            keys = jax.random.split(scale_key, len(leaves))
+            scales = [jnp.exp(jax.random.uniform(k, leaf.shape if self.granularity == "entry" else (),
+                                                 minval=-bound, maxval=bound)) for k, leaf in zip(keys, leaves)]
         return {"inner": inner, "scales": jax.tree.unflatten(jax.tree.structure(shapes), scales)}
 
     def init(self, key: jax.Array, task_params: PyTree) -> PyTree:

@@ -2,7 +2,8 @@
 
 * Inner training, vmapped over task instances: :func:`train_task`, :func:`train_tasks_vectorized`
   (and the Python-loop reference :func:`train_tasks_serial`), :func:`unroll`, :func:`inner_step`,
-  :func:`init_inner_state`, :class:`InnerState`, :func:`aggregate_losses`.
+  :func:`init_inner_state`, :class:`InnerState`, :func:`aggregate_losses`, and issue 41's meta-loss
+  :func:`mean_log_loss_ratio` (final loss against tuned Adam's, in log).
 * Outer-gradient estimators, pure and jitted: antithetic full-unroll ES
   (:func:`make_full_es_estimator`, :func:`full_es_gradient`) and truncated PES
   (:func:`make_pes_estimator`, :func:`pes_gradient`, :func:`pes_init_state`, :class:`PESEstimator`,
@@ -35,6 +36,7 @@ from carlskit.lopt._inner import (
     aggregate_losses,
     init_inner_state,
     inner_step,
+    mean_log_loss_ratio,
     train_task,
     train_tasks_serial,
     train_tasks_vectorized,
@@ -49,5 +51,5 @@ __all__ = [
     "evaluation_curves", "make_full_es_estimator", "make_pes_estimator", "full_es_gradient", "pes_gradient",
     "pes_init_state", "PESEstimator", "PESState", "antithetic_combine", "task_mesh", "self_optimizer",
     "train_task", "train_tasks_vectorized", "train_tasks_serial", "unroll", "inner_step", "init_inner_state",
-    "InnerState", "aggregate_losses",
+    "InnerState", "aggregate_losses", "mean_log_loss_ratio",
 ]

@@ -158,3 +158,50 @@ def test_pes_gives_a_finite_nonzero_meta_gradient_for_the_schedule_and_the_corre
     assert float(jnp.abs(grad["scheduler"]["out"]["b"])) > 0 and float(jnp.abs(grad["correction"]["gain"])) > 0
     # each member's rule state counted the truncation's losses
     np.testing.assert_array_equal(state.inner.opt_state["loss_trend"]["count"], 5)
+
+
+def test_mean_log_loss_ratio_is_the_log_of_the_geometric_mean_ratio_with_the_floor():
+    from carlskit.lopt import geometric_mean_ratio
+    from carlskit.lopt.meta_training import mean_log_loss_ratio
+
+    final, adam, initial = np.array([0.5, 2.0, 1e-6]), np.array([1.0, 1.0, 1e-5]), np.array([4.0, 4.0, 1.0])
+    # the third task: both below 1e-3 of its initial loss, a tie
+    want = math.log(geometric_mean_ratio([{"ratio": 0.5}, {"ratio": 2.0}, {"ratio": 1.0}]))
+    np.testing.assert_allclose(mean_log_loss_ratio(final, adam, initial), want, atol=1e-6)
+    np.testing.assert_allclose(mean_log_loss_ratio(final[:2], adam[:2]), 0.0, atol=1e-6)
+    assert float(mean_log_loss_ratio(np.array([np.nan, 1.0]), np.ones(2))) == math.inf
+    with pytest.raises(ValueError, match="reference_losses"):
+        mean_log_loss_ratio(final, adam[:2])
+    with pytest.raises(ValueError, match="initial_losses"):
+        mean_log_loss_ratio(final, adam, initial[:1])
+    with pytest.raises(ValueError, match="final_losses"):
+        mean_log_loss_ratio(np.ones((2, 2)), np.ones((2, 2)))
+    with pytest.raises(ValueError, match="floor_fraction"):
+        mean_log_loss_ratio(final, adam, initial, floor_fraction=0.0)
+
+
+@pytest.mark.parametrize("granularity", ["global", "tensor", "entry"])
+def test_weight_scale_augmentation_at_each_granularity_keeps_the_problem(granularity):
+    """Celo's augmentation: params = scale * q with scales in [1e-3, 1e3]; the loss at the start is
+    the wrapped task's, the gradient seen is scaled by ``scale``, and the scales vary as named."""
+    from carlskit.lopt import DeepLinearTask, RescaledTask
+
+    inner = DeepLinearTask(width=4, depth=3, batch_size=8)
+    task = RescaledTask(inner, max_scale=1e3, granularity=granularity)
+    key = jax.random.PRNGKey(0)
+    task_params = task.sample_task_params(key)
+    scales = jax.tree.leaves(task_params["scales"])
+    q = task.init(key, task_params)
+    batch = task.batch(key, task_params)
+    p = inner.init(key, task_params["inner"])
+    np.testing.assert_allclose(task.loss(q, batch, task_params), inner.loss(p, batch, task_params["inner"]),
+                               rtol=1e-5)
+    grad_q, grad_p = jax.grad(task.loss)(q, batch, task_params), jax.grad(inner.loss)(p, batch, task_params["inner"])
+    for gq, gp, s in zip(jax.tree.leaves(grad_q), jax.tree.leaves(grad_p), scales):
+        np.testing.assert_allclose(gq, gp * s, rtol=1e-4, atol=1e-6)
+    values = np.concatenate([np.ravel(s) for s in scales])
+    assert np.all((values >= 1e-3 * 0.999) & (values <= 1e3 * 1.001))
+    distinct = len(np.unique(values))
+    assert distinct == {"global": 1, "tensor": len(scales), "entry": values.size}[granularity]
+    with pytest.raises(ValueError, match="granularity"):
+        RescaledTask(inner, granularity="layer")
