@@ -2,7 +2,8 @@
 second process buys, and what its collectives cost.
 
 Each variant is a process group launched on the workers of an embedded 2-worker cluster; every rank
-pins itself to one core (rank r to core r), so "2 processes" is two cores and "1 process" one:
+is bound to its own core before JAX starts (``run_spmd(cpus_per_process=1)``: JAX sizes its CPU thread
+pool from it), so "2 processes" is two cores and "1 process" one:
 
 - ``dp``: ``Trainer.fit`` of a 3-layer MLP (``--width`` wide, inputs as wide; 3 x width^2 weights,
   3 MB of float32 gradients at 512), data parallel, the same per-process batch in both variants
@@ -60,7 +61,7 @@ def collective_bytes(hlo: str) -> dict[str, int]:
 
 
 def rank_measurements(width: int, batches: tuple[int, ...], steps: int, skip: int, moe_batch: int) -> dict:
-    """In each rank (pinned to one core): dp step time at each per-process batch, the MoE step time,
+    """In each rank (bound to one core): dp step time at each per-process batch, the MoE step time,
     the collectives' bytes per step and one all-reduce's bandwidth. Rank 0's dict is the result."""
     import jax
     import jax.numpy as jnp
@@ -73,9 +74,7 @@ def rank_measurements(width: int, batches: tuple[int, ...], steps: int, skip: in
     from carlskit.moe import MoEModel, make_mesh
     from carlskit.training import Trainer
 
-    rank, count = jax.process_index(), jax.process_count()
-    for thread in os.listdir("/proc/self/task"):  # every thread, XLA's pools included: one core per rank
-        os.sched_setaffinity(int(thread), {rank % os.cpu_count()})
+    count = jax.process_count()
 
     class MLP(nnx.Module):
         def __init__(self):
@@ -194,7 +193,8 @@ def main() -> None:
         def run() -> float:
             started = time.perf_counter()
             runs[name].append(run_spmd(client, rank_measurements, args.width, batches, args.steps, args.skip,
-                                       args.moe_batch, processes=processes, devices_per_process=1, output=False)[0])
+                                       args.moe_batch, processes=processes, devices_per_process=1, cpus_per_process=1,
+                                       output=False)[0])
             return time.perf_counter() - started
         return run
 

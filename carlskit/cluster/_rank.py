@@ -6,7 +6,8 @@ its worker (:func:`carlskit.cluster._spmd.run_rank`). This module is that proces
 
 1. die with the worker: a thread watches the parent (``getppid``) and Linux's parent-death signal
    is set, so a SIGKILLed worker leaves no rank behind, even one blocked in a collective;
-2. ``jax.distributed.initialize`` with the group's coordinator, size, rank and timeouts;
+2. with ``cpus_per_process``, bind every thread to the rank's CPUs before JAX starts (its CPU thread
+   pool is sized from them); then ``jax.distributed.initialize`` with the group's coordinator, size, rank and timeouts;
 3. ``fn(*args)``; its value (or its error, described) is written atomically to the result file;
 4. ``jax.distributed.shutdown()`` in a ``finally`` (bounded: a peer that is gone must not keep
    this process alive), then exit.
@@ -95,6 +96,9 @@ def main(payload_path: str, result_path: str, record_fd: int, parent: int) -> No
     with open(payload_path, "rb") as file:
         spec = cloudpickle.load(file)
     _spmd._install_reporter(spec.rank, record_fd)
+    if spec.cpus is not None:  # before JAX starts: its CPU thread pool is sized from these
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), spec.cpus)
     import jax
 
     initialized, code = False, 0

@@ -89,6 +89,7 @@ class RankSpec:
     heartbeat_timeout: float
     shutdown_timeout: float
     forward_records: bool
+    cpus: tuple[int, ...] | None = None  # the CPUs the rank's process is bound to (cpus_per_process)
 
 
 # -- inside a rank -----------------------------------------------------------------------------------
@@ -117,12 +118,23 @@ def spmd_rank() -> int | None:
     return _reporter.get("rank")
 
 
+DASK_MALLOC_TRIM_THRESHOLD = 65536  # distributed's default nanny.pre-spawn-environ value; see rank_environment
+
+
 # -- the task on a worker: one rank's process ----------------------------------------------------------
 def rank_environment(spec: RankSpec, environ: dict[str, str] | None = None) -> dict[str, str]:
     """The rank's environment: the worker's, plus gloo collectives, the simulated CPU device count
     (replacing a forced one in ``XLA_FLAGS``) and the worker's ``sys.path``, so functions pickled by
-    reference import."""
+    reference import.
+
+    Dask's nanny sets ``MALLOC_TRIM_THRESHOLD_=65536`` in its workers (``distributed.nanny.pre-spawn-environ``)
+    to hand freed memory back to the OS; a fixed threshold also turns off glibc's dynamic mmap threshold, so
+    every large buffer of every step is a fresh ``mmap`` and page faults: a JAX step on one core ran 26% slower
+    (110 ms against 87 ms, ``benchmarks/multi_process.py``'s layer sizes). The rank drops that value and keeps
+    glibc's default; any other value (set on purpose) is kept."""
     environment = dict(os.environ if environ is None else environ)
+    if environment.get("MALLOC_TRIM_THRESHOLD_") == str(DASK_MALLOC_TRIM_THRESHOLD):
+        del environment["MALLOC_TRIM_THRESHOLD_"]
     environment.setdefault("JAX_CPU_COLLECTIVES_IMPLEMENTATION", "gloo")
     if spec.devices_per_process is not None:
         environment["JAX_NUM_CPU_DEVICES"] = str(spec.devices_per_process)
@@ -277,7 +289,8 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
              initialization_timeout: float = 60.0, heartbeat_timeout: float = 30.0,
              restart_policy: Any = None, on_record: Callable[[dict], None] | None = None,
              output: bool | Callable[[int, str], None] = True, stop: threading.Event | None = None,
-             on_restart: Callable[[BaseException, float], None] | None = None) -> list[Any]:
+             on_restart: Callable[[BaseException, float], None] | None = None,
+             cpus_per_process: int | None = None) -> list[Any]:
     """Run ``fn(*args)`` once in each of ``processes`` fresh JAX processes on Dask workers, as one
     JAX program (``jax.distributed``: ``jax.devices()`` lists every rank's devices).
 
@@ -302,6 +315,11 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
       stop: a ``threading.Event``; once set, every rank is ended and ``RankFailedError`` (``kind=
         "stopped"``) raised (a fit's ``FitHandle.stop``).
       on_restart: called with ``(error, delay_seconds)`` before each relaunch.
+      cpus_per_process: bind each rank's process (every thread, before JAX starts) to this many CPUs
+        of its host, disjoint from the other ranks on that host (``mpirun --bind-to core``). JAX sizes
+        its CPU thread pool from the CPUs a process may use, so ranks sharing a host then compute
+        side by side instead of each running a pool as large as the host; ``None``: not bound.
+        ValueError (from the rank's worker) when the host has too few.
 
     Returns:
       ``fn``'s values, in rank order.
@@ -319,6 +337,8 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
     processes = positive_int(processes, "processes")
     if devices_per_process is not None:
         devices_per_process = positive_int(devices_per_process, "devices_per_process")
+    if cpus_per_process is not None:
+        cpus_per_process = positive_int(cpus_per_process, "cpus_per_process")
     for name, value in (("timeout", timeout), ("stall_timeout", stall_timeout)):
         if value is not None:
             positive_float(value, name)
@@ -328,7 +348,7 @@ def run_spmd(client: Any, fn: Callable[..., Any], *args: Any, processes: int, de
         raise TypeError(f"output must be a bool or a function of (rank, line), got {type(output).__name__}")
     placement = Placement.of(workers, resources)
     group = _Group(client, fn, args, processes, devices_per_process, placement, timeout, stall_timeout,
-                   initialization_timeout, heartbeat_timeout, on_record, output, stop)
+                   initialization_timeout, heartbeat_timeout, on_record, output, stop, cpus_per_process)
     if restart_policy is None:
         return group.run()
     from carlskit.cluster._policy import restart_policy as policy_of
@@ -341,12 +361,13 @@ class _Group:
     """One :func:`run_spmd` call: each :meth:`run` launches the group once and follows it."""
 
     def __init__(self, client, fn, args, processes, devices_per_process, placement, timeout, stall_timeout,
-                 initialization_timeout, heartbeat_timeout, on_record, output, stop=None):
+                 initialization_timeout, heartbeat_timeout, on_record, output, stop=None, cpus_per_process=None):
         self.client, self.fn, self.args, self.processes = client, fn, args, processes
         self.devices_per_process, self.placement = devices_per_process, placement
         self.timeout, self.stall_timeout = timeout, stall_timeout
         self.initialization_timeout, self.heartbeat_timeout = initialization_timeout, heartbeat_timeout
         self.on_record, self.output, self.stop = on_record, output, stop
+        self.cpus_per_process = cpus_per_process
         self.launches = 0
 
     def _print(self, rank: int, line: str) -> None:
@@ -372,8 +393,10 @@ class _Group:
         queue, stop = Queue(group, client=self.client), Event(f"{group}-stop", client=self.client)
         # fn and args travel once to the chosen workers, not once per rank through the scheduler
         [shipped] = self.client.scatter([(self.fn, self.args)], workers=chosen, broadcast=True, hash=False)
+        hosts = [get_address_host(address) for address in chosen]  # a rank's place among those on its host
         futures = [self.client.submit(_start_rank, shipped, group, rank, self.processes, coordinator,
                                       self.devices_per_process, self.initialization_timeout, self.heartbeat_timeout,
+                                      self.cpus_per_process, hosts[:rank].count(hosts[rank]),
                                       workers=[address], allow_other_workers=False, pure=False,
                                       key=f"{group}-rank{rank}")
                    for rank, address in enumerate(chosen)]
@@ -441,9 +464,9 @@ class _Group:
         for rank, future in enumerate(futures):
             if rank not in outcomes and future.status == "finished":
                 outcomes[rank] = future.result()
-        order = {"raised": 0, "exited": 1, "ended": 2}
+        order = {"raised": 0, "exited": 1, "ended": 2}  # a task that broke before its rank started: first
         failures = [o for o in outcomes.values() if not o.ok]
-        first = min(failures, key=lambda o: order.get(getattr(o.value, "kind", None), 3))
+        first = min(failures, key=lambda o: order.get(o.value.kind, 3) if isinstance(o.value, RankFailedError) else -1)
         first.value.__cause__ = first.cause
         return first.value
 
@@ -468,8 +491,28 @@ class _Group:
             future.release()
 
 
+def rank_cpus(cpus_per_process: int | None, local_index: int) -> tuple[int, ...] | None:
+    """The CPUs of this host a rank binds to: block ``local_index`` (the rank's place among the
+    group's ranks on this host) of ``cpus_per_process`` CPUs of those this worker may use, so the
+    ranks sharing a host never share a CPU (``mpirun --bind-to core``); ``None``: not bound."""
+    if cpus_per_process is None:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        raise ValueError("cpus_per_process binds ranks to CPUs with os.sched_setaffinity (Linux); this host "
+                         "has none: leave cpus_per_process=None")
+    usable = sorted(os.sched_getaffinity(0))
+    first = local_index * cpus_per_process
+    if first + cpus_per_process > len(usable):
+        raise ValueError(f"cpus_per_process={cpus_per_process}: {local_index + 1} ranks of the group share this "
+                         f"host, which lets its workers use {len(usable)} CPUs ({usable}); at most "
+                         f"{len(usable) // (local_index + 1)} per rank")
+    return tuple(usable[first:first + cpus_per_process])
+
+
 def _start_rank(shipped: tuple, group: str, rank: int, size: int, coordinator: str, devices_per_process: int | None,
-                initialization_timeout: float, heartbeat_timeout: float) -> Any:
+                initialization_timeout: float, heartbeat_timeout: float, cpus_per_process: int | None = None,
+                local_index: int = 0) -> Any:
     fn, args = shipped
     return run_rank(RankSpec(group, rank, size, coordinator, fn, args, devices_per_process, initialization_timeout,
-                             heartbeat_timeout, shutdown_timeout=30.0, forward_records=rank == 0))
+                             heartbeat_timeout, shutdown_timeout=30.0, forward_records=rank == 0,
+                             cpus=rank_cpus(cpus_per_process, local_index)))

@@ -22,6 +22,8 @@ def global_sum(offset: float) -> tuple[int, int, float]:
     for step in (1, 2):
         report_progress({"step": step, "rank": jax.process_index()})
     print(f"sum {float(total)}")
+    print(f"MALLOC_TRIM_THRESHOLD_={os.environ.get('MALLOC_TRIM_THRESHOLD_')}")  # Dask's value is dropped
+    print(f"cpus {sorted(os.sched_getaffinity(0))}")  # the main thread's binding (cpus_per_process)
     return jax.process_index(), jax.device_count(), float(total) + offset
 
 

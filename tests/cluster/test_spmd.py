@@ -4,6 +4,7 @@ ranks ending together on any failure, relaunched after a lost worker under a res
 from __future__ import annotations
 
 import _thread
+import os
 import re
 import socket
 import threading
@@ -75,12 +76,29 @@ def assert_group_gone(output: Output) -> None:
 def test_run_spmd_returns_every_ranks_value_in_rank_order_over_one_global_mesh(client):
     output, records = Output(), []
     values = run_spmd(client, spmd_functions.global_sum, 0.5, processes=2, devices_per_process=2, output=output,
-                      on_record=records.append)
+                      on_record=records.append, cpus_per_process=1)
     # 2 processes x 2 devices: 4 global devices, and the sum spans both processes
     assert values == [(0, 4, 120.5), (1, 4, 120.5)]
     assert {rank for rank, line in output.lines if line == "sum 120.0"} == {0, 1}  # tagged by rank
+    # the workers run with Dask's MALLOC_TRIM_THRESHOLD_=65536 (a JAX step 26% slower); their ranks do not
+    assert set(client.run(lambda: os.environ.get("MALLOC_TRIM_THRESHOLD_")).values()) == {"65536"}
+    assert {line for rank, line in output.lines if "MALLOC" in line} == {"MALLOC_TRIM_THRESHOLD_=None"}
     assert records == [{"step": 1, "rank": 0}, {"step": 2, "rank": 0}]  # rank 0's progress only
+    usable = sorted(os.sched_getaffinity(0))  # the workers' (inherited); both ranks share this host
+    assert sorted((rank, line) for rank, line in output.lines if line.startswith("cpus ")) == [
+        (0, f"cpus [{usable[0]}]"), (1, f"cpus [{usable[1]}]")]  # cpus_per_process=1: one each, disjoint
     assert_group_gone(output)
+
+
+def test_cpus_per_process_beyond_the_hosts_cpus_is_a_value_error_naming_it(client):
+    output = Output()
+    too_many = len(os.sched_getaffinity(0))  # rank 0 fits; rank 1, on the same host, does not
+    with pytest.raises(ValueError, match=f"cpus_per_process={too_many}: 2 ranks of the group share this host"):
+        run_spmd(client, spmd_functions.global_sum, 0.5, processes=2, devices_per_process=1, output=output,
+                 cpus_per_process=too_many)
+    with pytest.raises(ValueError, match="cpus_per_process"):
+        run_spmd(client, spmd_functions.global_sum, 0.5, processes=2, cpus_per_process=0)
+    wait_until(lambda: not rank_processes(), seconds=10)  # rank 0 (it fitted) was ended with the group
 
 
 def test_a_rank_that_raises_ends_every_rank_and_names_itself(client):
@@ -111,9 +129,11 @@ def test_a_rank_that_never_reaches_the_collective_is_ended_at_the_timeout(client
     with pytest.raises(RankFailedError) as caught:
         run_spmd(client, spmd_functions.rank_one_hangs, processes=2, devices_per_process=1, output=output,
                  timeout=20)
+    # The kind says the timeout ended it (the rank hangs forever otherwise); no wall-clock bound is asserted on
+    # a shared machine (issue 43): the time is printed.
     assert caught.value.kind == "timed out" and "timeout=20 s" in str(caught.value)
-    assert time.monotonic() - started < 20 + 15  # the timeout plus the kill grace and launch
     assert_group_gone(output)
+    print(f"timed out and ended in {time.monotonic() - started:.1f} s (timeout=20 s)")
 
 
 def test_a_group_without_progress_for_stall_timeout_is_ended(client):
