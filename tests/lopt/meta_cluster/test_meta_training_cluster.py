@@ -86,7 +86,8 @@ def test_stop_closes_the_chief_even_when_the_final_evaluation_fails(tmp_path):
     chief = training.chief
     training.stop(timeout=30)  # the final checkpoint's evaluation fails: stop() still finishes
     assert not training.learner_service.driving
-    assert 0 in chief.failed and "NotImplementedError" in chief.failed[0]
+    # the final checkpoint's evaluation failed (0, or 1 when the learner wrote another before stop came)
+    assert chief.failed and all("NotImplementedError" in why for why in chief.failed.values()), chief.failed
     with pytest.raises(RuntimeError, match="shutdown"):
         chief._pool.submit(print)  # closed: its thread pool takes no more jobs
     with pytest.raises(ValueError, match="max_staleness"):
