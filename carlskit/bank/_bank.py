@@ -411,30 +411,45 @@ class KnowledgeBank:
             s: (table, keys, values, version) if pos is None else
             (table, sent[s], pick(values, pos), version) for s, pos in routes}, sent)
 
-    def apply_gradients(self, table: str, keys: Any, gradients: Any) -> None:
+    def apply_gradients(self, table: str, keys: Any, gradients: Any, *,
+                        push_id: int | None = None) -> None:
         """Cache gradients ([n, dim]) for ``keys``; they are applied lazily (module docstring):
         averaged with NaN/Inf and outlier gradients dropped, then one optimizer step per key.
-        Keys not yet present are inserted with their initial value."""
-        self._shards.collect(*self._send_gradients(table, keys, gradients, detach=False))
+        Keys not yet present are inserted with their initial value.
 
-    def apply_gradients_async(self, table: str, keys: Any, gradients: Any) -> "BankFuture":
+        ``push_id`` (an int in [0, 2**63), unique per push, e.g. ``secrets.randbits(63)``) makes a
+        re-send count once: a shard skips a push whose id it applied among its last
+        ``PUSHES_KEPT`` (1024) of the table. The ids are in its write-ahead log and snapshots, so
+        after a :class:`ShardLostError` and ``recover()``, re-sending the ``unapplied_keys`` with the
+        same id applies exactly the gradients the lost shard had not logged. Without an id a re-send
+        of a logged push counts twice."""
+        self._shards.collect(*self._send_gradients(table, keys, gradients, push_id, detach=False))
+
+    def apply_gradients_async(self, table: str, keys: Any, gradients: Any, *,
+                              push_id: int | None = None) -> "BankFuture":
         """:meth:`apply_gradients` without waiting; ``.result()`` (None) waits for the shards and
         raises their errors. Inputs are validated and copied before anything is sent; ordering
         as in :meth:`lookup_async`."""
-        pending, sent = self._send_gradients(table, keys, gradients, detach=True)
+        pending, sent = self._send_gradients(table, keys, gradients, push_id, detach=True)
         return BankFuture(self._shards, pending, lambda results: None, sent)
 
-    def _send_gradients(self, table: str, keys: Any, gradients: Any,
+    def _send_gradients(self, table: str, keys: Any, gradients: Any, push_id: int | None,
                         detach: bool) -> tuple[dict[int, Any], dict[int, np.ndarray]]:
         """Validate, route and send gradients; the pending shard calls and the keys each got."""
         config = self._embedding_config(table, "apply_gradients")
+        if push_id is not None:
+            if isinstance(push_id, bool) or not isinstance(push_id, (int, np.integer)):
+                raise TypeError(f"push_id must be an int or None, got {type(push_id).__name__}")
+            if not 0 <= push_id < 2 ** 63:
+                raise ValueError(f"push_id must be in [0, 2**63), got {push_id}")
+            push_id = int(push_id)
         keys = _as_keys(keys)
         gradients = _as_matrix(gradients, len(keys), config.dim, "gradients", finite=False)
         routes, sent = self._routed(keys, detach)
         detach = detach and self._shards.remote
         return self._shards.submit("apply_gradients", {
-            s: (table, sent[s], _detached(gradients, detach)) if pos is None else
-            (table, sent[s], gradients[pos]) for s, pos in routes}), sent
+            s: (table, sent[s], _detached(gradients, detach), push_id) if pos is None else
+            (table, sent[s], gradients[pos], push_id) for s, pos in routes}), sent
 
     def flush(self, table: str | None = None) -> None:
         """Apply every cached gradient now (of one table, or of all)."""
@@ -517,7 +532,8 @@ class KnowledgeBank:
         two shards counts two), rows looked up / inserted / updated, gradients received / applied,
         ``dropped_nonfinite``, ``dropped_outliers``, ``discarded_by_update``, ``optimizer_steps``,
         ``resident_bytes``; admission and eviction: ``keys_not_admitted`` (lookups of keys below
-        ``min_count``), ``gradients_not_admitted``, ``rows_evicted_idle``, ``rows_evicted_capacity``."""
+        ``min_count``), ``gradients_not_admitted``, ``rows_evicted_idle``, ``rows_evicted_capacity``;
+        ``repeated_pushes_skipped`` (gradient pushes re-sent with an id a shard had applied)."""
         per_shard = self._shards.call_all("stats")
         tables: dict[str, Any] = {}
         for shard_stats in per_shard:

@@ -7,6 +7,7 @@ Input is validated by the client before any shard is called; the shard trusts it
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import threading
 import time
@@ -23,6 +24,9 @@ from carlskit.bank._wal import WriteAheadLog, records_since
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _MMAP_THRESHOLD_BYTES = 32 << 20
 _TRIM_THRESHOLD_BYTES = 64 << 20
+#: Gradient push ids remembered per table and shard (live, in snapshots, rebuilt by a log replay).
+#: A re-send follows its ShardLostError within a few calls, so far fewer would do.
+PUSHES_KEPT = 1024
 
 
 def reuse_freed_batch_memory() -> bool:
@@ -57,6 +61,9 @@ class _Shard:
         self._lock = threading.Lock()
         self._direct_server: Any = None
         self._wal: WriteAheadLog | None = None
+        # per table, the ids of the last PUSHES_KEPT gradient pushes applied (oldest first): a push
+        # re-sent after a ShardLostError whose id is here was applied already (see apply_gradients)
+        self._pushes: dict[str, collections.OrderedDict[int, None]] = {}
 
     def _table(self, name: str) -> tuple[RowStore, float]:
         """A table for a call that only reads it: the ttl flush it may trigger is logged."""
@@ -94,7 +101,24 @@ class _Shard:
         table.maintain(now)
         if method == "maintain":
             return None
+        if method == "apply_gradients":
+            keys, gradients, *push = args  # records logged before push ids existed have none
+            if push and push[0] is not None and self._seen_push(name, push[0]):
+                table.counters["repeated_pushes_skipped"] += 1
+                return None
+            return table.apply_gradients(keys, gradients, now)
         return getattr(table, method)(*args, now)
+
+    def _seen_push(self, name: str, push_id: int) -> bool:
+        """True if table ``name`` applied push ``push_id`` already; else remember it (the last
+        PUSHES_KEPT per table)."""
+        seen = self._pushes.setdefault(name, collections.OrderedDict())
+        if push_id in seen:
+            return True
+        seen[push_id] = None
+        if len(seen) > PUSHES_KEPT:
+            seen.popitem(last=False)
+        return False
 
     def ping(self) -> int:
         return self.shard_index
@@ -144,8 +168,11 @@ class _Shard:
     def update(self, name: str, keys: np.ndarray, values: Any, version: int) -> None:
         self._acknowledged("update", name, keys, values, version)
 
-    def apply_gradients(self, name: str, keys: np.ndarray, gradients: np.ndarray) -> None:
-        self._acknowledged("apply_gradients", name, keys, gradients)
+    def apply_gradients(self, name: str, keys: np.ndarray, gradients: np.ndarray,
+                        push_id: int | None = None) -> None:
+        # a push whose id this shard applied already is acknowledged and skipped; its record is
+        # logged all the same, and a replay skips it the same way (the ids are rebuilt in order)
+        self._acknowledged("apply_gradients", name, keys, gradients, push_id)
 
     def nearest(self, name: str, queries: np.ndarray, k: int, metric: str,
                 exclude: np.ndarray | None, exact: bool | None):
@@ -190,7 +217,8 @@ class _Shard:
                 columns, meta = table.snapshot_columns()
                 part = write_part(location, part_file_name(save_id, number, self.shard_index),
                                   columns)
-                parts[name] = {**part, **meta, "counters": dict(table.counters)}
+                parts[name] = {**part, **meta, "counters": dict(table.counters),
+                               "pushes": list(self._pushes.get(name, ()))}
             segment = None
             if wal_directory is not None:
                 segment = (self._wal.segment + 1 if self._wal is not None
@@ -229,6 +257,8 @@ class _Shard:
                     finally:
                         reader.close()
                 table.import_pending(pending)
+                if same_layout:  # this shard's own part: the pushes it had applied (a re-send skips them)
+                    self._pushes[name] = collections.OrderedDict.fromkeys(parts[0].get("pushes", ()))
                 for key, value in (counters or {}).items():
                     table.counters[key] = table.counters.get(key, 0) + int(value)
 

@@ -303,6 +303,10 @@ def check_part(part: Any, config: TableConfig, shard: int, where: str) -> dict:
             isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 0
             for k, v in counters.items()):
         raise bad("counters must be a dict of non-negative ints")
+    pushes = part.get("pushes", [])  # absent from snapshots written before push ids
+    if not isinstance(pushes, list) or not all(
+            isinstance(p, int) and not isinstance(p, bool) and 0 <= p < 2 ** 63 for p in pushes):
+        raise bad("pushes must be a list of push ids (ints in [0, 2**63))")
     expected = expected_layout(config, part["rows"], part["pending"], buckets)
     layout = part["layout"]
     offset = 0

@@ -51,6 +51,7 @@ def new_counters() -> dict[str, int]:
         "gradients_received": 0, "gradients_applied": 0, "optimizer_steps": 0,
         "dropped_nonfinite": 0, "dropped_outliers": 0, "discarded_by_update": 0,
         "keys_not_admitted": 0, "gradients_not_admitted": 0, "rows_evicted_idle": 0, "rows_evicted_capacity": 0,
+        "repeated_pushes_skipped": 0,
     }
 
 

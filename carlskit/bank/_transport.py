@@ -46,7 +46,8 @@ class ShardLostError(WorkerLostError):
     None for other calls).
     A lost shard's part was not acknowledged: after ``recover()`` it is there only if the shard's
     write-ahead log recorded it before the worker died, so re-send ``unapplied_keys`` (an
-    ``update`` is idempotent; a gradient may then count twice).
+    ``update`` is idempotent; a gradient counts once if it was sent with a ``push_id`` and is
+    re-sent with the same one, else it may count twice).
     """
 
     def __init__(self, message: str, shard: int | None = None) -> None:

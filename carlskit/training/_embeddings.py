@@ -27,6 +27,7 @@ lets the lookup of the next batch overlap the current step, as Monolith and CARL
 from __future__ import annotations
 
 import collections
+import secrets
 import threading
 from typing import Any, Callable
 
@@ -145,7 +146,8 @@ class BankEmbeddings:
         self._pushed = 0  # steps whose gradients the bank acknowledged since begin()
         self._in_flight: collections.deque = collections.deque()
         self._closed = False
-        self._resend: list[tuple[str, np.ndarray, np.ndarray]] = []  # gradients a lost shard never acknowledged
+        # gradients a lost shard never acknowledged: (table, keys, gradients, push id)
+        self._resend: list[tuple[str, np.ndarray, np.ndarray, int]] = []
 
     def __getstate__(self) -> dict:  # travels to a worker with Trainer.fit(client=...)
         state = dict(self.__dict__)
@@ -233,14 +235,14 @@ class BankEmbeddings:
         (``Trainer.fit`` then runs ``bank.recover()`` and calls the stage again, which re-sends them
         first)."""
         lost = None
-        for table, keys, gradients, future in group:
+        for table, keys, gradients, push_id, future in group:
             try:
                 future.result()
             except ShardLostError as error:
                 unapplied = keys if error.unapplied_keys is None else error.unapplied_keys
                 mask = np.isin(keys, unapplied)
                 with self._cond:
-                    self._resend.append((table, keys[mask], gradients[mask]))
+                    self._resend.append((table, keys[mask], gradients[mask], push_id))
                 lost = lost or error
         with self._cond:
             self._pushed += 1
@@ -258,12 +260,12 @@ class BankEmbeddings:
             self._settle_group(group)
 
     def _send_again(self) -> None:
-        """Re-send the gradients a lost shard never acknowledged (after ``recover()``); a shard whose
-        write-ahead log recorded one before dying then applies it twice (counted in
-        ``resent_gradients``, which bounds it)."""
+        """Re-send the gradients a lost shard never acknowledged (after ``recover()``), with the
+        push's id: a shard whose write-ahead log recorded the push before dying skips it, so every
+        gradient counts once (``resent_gradients`` counts the rows re-sent)."""
         while self._resend:
-            table, keys, gradients = self._resend[0]
-            self.bank.apply_gradients(table, keys, gradients)
+            table, keys, gradients, push_id = self._resend[0]
+            self.bank.apply_gradients(table, keys, gradients, push_id=push_id)
             self._resend.pop(0)
             self.resent_gradients += len(keys)
 
@@ -289,13 +291,14 @@ class BankEmbeddings:
         for table in self.tables:
             keys = batch[_KEYS + table]
             rows = np.asarray(gradients[rows_name(table)][: len(keys)])
+            push_id = secrets.randbits(63)  # a re-send after a lost shard counts once (_send_again)
             try:
-                future = self.bank.apply_gradients_async(table, keys, rows)
+                future = self.bank.apply_gradients_async(table, keys, rows, push_id=push_id)
             except ShardLostError:  # not sent: re-sent by the next lookup, after recovery
                 with self._cond:
-                    self._resend.append((table, keys, rows))
+                    self._resend.append((table, keys, rows, push_id))
                 continue
-            group.append((table, keys, rows, future))
+            group.append((table, keys, rows, push_id, future))
         with self._cond:
             self._in_flight.append(group)
             self._cond.notify_all()

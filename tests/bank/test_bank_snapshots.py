@@ -79,6 +79,46 @@ def test_a_shard_rebuilt_from_snapshot_and_write_ahead_log_equals_the_live_one(t
                 assert live[key] == rebuilt[key], key
 
 
+@pytest.mark.parametrize("kept_by", ["write-ahead log", "snapshot"])
+def test_a_push_re_sent_with_its_id_to_a_rebuilt_shard_counts_once(tmp_path, clock, kept_by):
+    """What ``BankEmbeddings`` does after a lost shard (tests/chaos/test_bank_embedding_chaos.py):
+    the push was applied and logged (or is in the snapshot) but its acknowledgement was lost; the
+    shard is rebuilt and the push re-sent with its id, and counts once. The same re-send without
+    an id (the baseline) counts twice."""
+    bank = KnowledgeBank(num_shards=1, clock=clock)
+    bank.create_table("emb", dim=DIM, initializer="zeros", optimizer="sgd", learning_rate=1.0,
+                      max_pending=1)
+    keys, ones = np.arange(1, 9), np.ones((8, DIM))
+    bank.enable_snapshots(tmp_path / "snaps", write_ahead_log=True)
+    bank.apply_gradients("emb", keys, ones, push_id=7)
+    bank.apply_gradients("emb", keys, 2 * ones)  # no id
+    if kept_by == "snapshot":
+        bank.snapshot()
+    rebuilt = rebuilt_shard(bank, 0, clock)
+    rebuilt.apply_gradients("emb", keys, ones, 7)  # the re-send: applied already
+    rows, _ = rebuilt.lookup("emb", keys, False)
+    np.testing.assert_array_equal(rows, np.full((8, DIM), -3.0))
+    assert rebuilt._tables["emb"].counters["repeated_pushes_skipped"] == 1
+    rebuilt.apply_gradients("emb", keys, 2 * ones, None)  # the baseline: a re-send without an id
+    rows, _ = rebuilt.lookup("emb", keys, False)
+    np.testing.assert_array_equal(rows, np.full((8, DIM), -5.0))
+    bank.apply_gradients("emb", keys, ones, push_id=8)  # a new id is applied
+    rows, _ = bank.lookup("emb", keys)
+    np.testing.assert_array_equal(rows, np.full((8, DIM), -4.0))
+
+
+def test_push_ids_are_checked_before_anything_is_sent(clock):
+    bank = KnowledgeBank(num_shards=2, clock=clock)
+    bank.create_table("emb", dim=DIM, initializer="zeros")
+    for bad, error in [("7", TypeError), (True, TypeError), (1.0, TypeError), (-1, ValueError),
+                       (2 ** 63, ValueError)]:
+        with pytest.raises(error, match="push_id"):
+            bank.apply_gradients("emb", [1, 2], np.ones((2, DIM)), push_id=bad)
+        with pytest.raises(error, match="push_id"):
+            bank.apply_gradients_async("emb", [1, 2], np.ones((2, DIM)), push_id=bad)
+    assert bank.stats()["tables"]["emb"]["gradients_received"] == 0
+
+
 def test_write_ahead_log_is_truncated_at_each_snapshot_and_checksummed(tmp_path):
     bank = KnowledgeBank(num_shards=1)
     bank.create_table("emb", dim=DIM)
