@@ -3,8 +3,8 @@
     python -m carlskit.data fetch planetoid pubmed --unpinned   # download, verify, convert
     python -m carlskit.data fetch planetoid cora citeseer       # (shipped already; refetch them)
     python -m carlskit.data convert planetoid cora --raw DIR    # convert files you already have
-    python -m carlskit.data build translation /tmp/django-5.2.19-py3-none-any.whl
-                                                                # .po catalogs -> data/translation/django.json.gz
+    python -m carlskit.data build translation /tmp/wheels/*.whl  # .po / .mo -> data/translation/catalogs.json.gz
+    python -m carlskit.data build vocabulary                    # sentencepiece on its training split
     python -m carlskit.data where                               # the folders searched, in order
     python -m carlskit.data synthetic OUT.npz --homophily 0.8 --feature-signal 0.3 --seed 0
                                                                 # a stochastic-block-model graph
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 
 from carlskit.data._datasets import data_dir, data_dirs
 
@@ -46,10 +47,16 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_argument("--output", default=None, help="the .npz to write (default: DATA/planetoid/NAME.npz)")
     build = commands.add_parser("build", help="build a corpus from files you have (translation: .po catalogs)",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    build.add_argument("family", choices=["translation"], help="corpus family")
-    build.add_argument("sources", nargs="+", help="folders, .po files, wheels/zips or installed package names "
-                                                  "holding gettext catalogs (LANG/LC_MESSAGES/*.po)")
-    build.add_argument("--output", default=None, help="the file to write (default: DATA/translation/django.json.gz)")
+    build.add_argument("family", choices=["translation", "vocabulary"],
+                       help="translation: a corpus from gettext catalogs; vocabulary: a shared sentencepiece "
+                            "vocabulary trained on a corpus's training split")
+    build.add_argument("sources", nargs="*", help="translation: folders, .po/.mo files, wheels/zips or installed "
+                                                  "package names holding gettext catalogs (LANG/LC_MESSAGES/*.po); "
+                                                  "vocabulary: the corpus (default: the shipped version 2)")
+    build.add_argument("--output", default=None, help="the file to write (default: DATA/translation/catalogs.json.gz "
+                                                      "or DATA/translation/catalogs.vocab.json.gz)")
+    build.add_argument("--vocab-size", type=int, default=None, help="vocabulary: number of pieces "
+                                                                    "(default: carlskit.data.VOCABULARY_SIZE)")
     build.add_argument("--valid-fraction", type=float, default=0.1, help="share of English sentences held out "
                                                                           "for validation")
     build.add_argument("--test-fraction", type=float, default=0.1, help="share of English sentences held out "
@@ -96,14 +103,34 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{data}, edge homophily {edge_homophily(data):.3f}", file=sys.stderr)
             print(save_planetoid(data, args.output))
             return 0
-        if args.command == "build":
-            from carlskit.data._translation import build_translation_corpus
+        if args.command == "build" and args.family == "vocabulary":
+            from carlskit.data._translation import TRANSLATION_CORPORA, load_translation_corpus
+            from carlskit.data._vocabulary import VOCABULARY_FILE, VOCABULARY_SIZE, train_vocabulary
 
-            output = args.output or data_dir() / "translation" / "django.json.gz"
+            if len(args.sources) > 1:
+                parser.error("build vocabulary takes one corpus file")
+            corpus = args.sources[0] if args.sources else data_dir() / "translation" / TRANSLATION_CORPORA[2]
+            output = args.output or data_dir() / "translation" / VOCABULARY_FILE
+            started = time.perf_counter()
+            vocabulary = train_vocabulary(load_translation_corpus(corpus), output,
+                                          vocab_size=args.vocab_size or VOCABULARY_SIZE)
+            print(f"{vocabulary} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            print(output)
+            return 0
+        if args.command == "build":
+            from carlskit.data._translation import TRANSLATION_CORPORA, build_translation_corpus
+
+            if not args.sources:
+                parser.error("build translation needs the catalogs' sources")
+            output = args.output or data_dir() / "translation" / TRANSLATION_CORPORA[2]
+            started = time.perf_counter()
             corpus = build_translation_corpus(args.sources, output, valid_fraction=args.valid_fraction,
                                               test_fraction=args.test_fraction, min_pairs=args.min_pairs,
                                               seed=args.seed)
-            print(f"{corpus}", file=sys.stderr)
+            print(f"{corpus} in {time.perf_counter() - started:.1f} s", file=sys.stderr)
+            for name, by_language in corpus.source_sizes.items():
+                total = sum(sum(by_split.values()) for by_split in by_language.values())
+                print(f"  {name}: {total} pairs in {len(by_language)} languages", file=sys.stderr)
             print(output)
             return 0
         if args.command == "convert":

@@ -7,7 +7,11 @@ embedding shared by source, target and output (tied), a language tag as the firs
 dropout, and Adafactor (``optax.adafactor``: factored second moments, no first moment, as GShard)
 with Adam as an option.
 
-Text is UTF-8 bytes: ids 0-255, then :data:`PAD`, :data:`BOS`, :data:`EOS`, then one id per tag.
+Text is token ids from a tokenizer (:class:`carlskit.data.Tokenizer`): UTF-8 bytes by default
+(:class:`carlskit.data.ByteTokenizer`, ids 0-255, then :data:`PAD`, :data:`BOS`, :data:`EOS`), or a
+shared subword vocabulary (:func:`carlskit.data.load_vocabulary`: sentencepiece, GShard's and M4's
+choice, about 4x fewer tokens per sentence than bytes). A tokenizer of ``n`` text ids puts padding,
+begin and end at ``n``, ``n + 1``, ``n + 2`` (``pad_id``, ``bos_id``, ``eos_id``), then one id per tag.
 Tag ``"fr"`` means "this source is French, translate into English"; ``"2fr"`` means "translate
 this English source into French" (M4's ``<2xx>`` convention).
 
@@ -25,7 +29,7 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +45,10 @@ from carlskit.moe._layers import BATCH_AXES, MoEFeedForward, _scaled_normal
 from carlskit.moe._model import _checked_mesh, _moe_options, feed_forward_for_layer, place_parameters, step_routing_keys
 from carlskit.moe._sharding import split
 
-PAD, BOS, EOS = 256, 257, 258
+if TYPE_CHECKING:
+    from carlskit.data import Tokenizer
+
+PAD, BOS, EOS = 256, 257, 258  # the byte tokenizer's (the default) padding, begin and end ids
 FIRST_TAG = 259
 OPTIMIZERS = ("adafactor", "adam")
 
@@ -115,7 +122,8 @@ class DecoderBlock(nnx.Module):
 
 
 class TranslationModel(nnx.Module):
-    """Multilingual encoder-decoder MoE Transformer over UTF-8 bytes (GShard's M4 model, small).
+    """Multilingual encoder-decoder MoE Transformer (GShard's M4 model, small) over UTF-8 bytes or
+    a shared subword vocabulary.
 
     Args:
       tags: the language tags the model knows (``"fr"``: French into English, ``"2fr"``: English
@@ -132,6 +140,9 @@ class TranslationModel(nnx.Module):
       mesh: a ``Mesh`` with axes "data" and "expert": expert weights split over "expert", batches
         over all devices, the dispatch an all-to-all (training and :meth:`loss`).
       seed: parameter seed (the same parameters with or without a mesh).
+      tokenizer: text to ids and back (:class:`carlskit.data.Tokenizer`); default UTF-8 bytes
+        (:class:`carlskit.data.ByteTokenizer`); :func:`carlskit.data.load_vocabulary` gives the
+        shipped shared sentencepiece vocabulary. Lengths are in its tokens.
 
     ``loss = cross-entropy over real target tokens + aux_loss_weight * mean aux loss``.
     """
@@ -155,7 +166,15 @@ class TranslationModel(nnx.Module):
         dispatch: str = "scatter",
         mesh: Mesh | None = None,
         seed: int = 0,
+        tokenizer: Tokenizer | None = None,
     ):
+        from carlskit.data import ByteTokenizer, Tokenizer
+
+        tokenizer = ByteTokenizer() if tokenizer is None else tokenizer
+        if not isinstance(tokenizer, Tokenizer) or not isinstance(tokenizer.vocab_size, int) \
+                or tokenizer.vocab_size < 1:
+            raise TypeError(f"tokenizer must be a carlskit.data.Tokenizer (vocab_size, encode, decode), "
+                            f"got {type(tokenizer).__name__}")
         if isinstance(tags, str) or not all(isinstance(t, str) and t for t in tags) or not len(tags):
             raise TypeError(f"tags must be a non-empty sequence of non-empty str, got {tags!r}")
         if len(set(tags)) != len(tags):
@@ -176,7 +195,10 @@ class TranslationModel(nnx.Module):
         )
         ffn_dim = 4 * d_model if ffn_dim is None else positive_int(ffn_dim, "ffn_dim")
         self.tags = tuple(tags)
-        self.vocab_size = FIRST_TAG + len(self.tags)
+        self.tokenizer = tokenizer  # static (hashable by content): decoding's jit sees it in the graph
+        self.pad_id, self.bos_id, self.eos_id = tokenizer.vocab_size, tokenizer.vocab_size + 1, tokenizer.vocab_size + 2
+        self.first_tag = tokenizer.vocab_size + 3
+        self.vocab_size = self.first_tag + len(self.tags)
         self.num_experts = int(num_experts)
         self.max_source_length = int(max_source_length)
         self.max_target_length = int(max_target_length)
@@ -203,44 +225,43 @@ class TranslationModel(nnx.Module):
     def tag_id(self, tag: str) -> int:
         if tag not in self.tags:
             raise ValueError(f"lang must be one of the model's tags {list(self.tags)[:12]}..., got {tag!r}")
-        return FIRST_TAG + self.tags.index(tag)
+        return self.first_tag + self.tags.index(tag)
 
     def encode_sources(self, texts: Sequence[str], tags: Sequence[str] | str) -> np.ndarray:
-        """int32 [N, max_source_length]: each text's tag id, then its UTF-8 bytes (cut to fit), PAD."""
+        """int32 [N, max_source_length]: each text's tag id, then its tokens (cut to fit), padding."""
         texts = _texts(texts, "texts")
         tags = [tags] * len(texts) if isinstance(tags, str) else list(tags)
         if len(tags) != len(texts):
             raise ValueError(f"lang must be one tag or one per text ({len(texts)}), got {len(tags)}")
-        rows = np.full((len(texts), self.max_source_length), PAD, np.int32)
-        for i, (text, tag) in enumerate(zip(texts, tags)):
-            data = list(text.encode("utf-8"))[: self.max_source_length - 1]
+        rows = np.full((len(texts), self.max_source_length), self.pad_id, np.int32)
+        for i, (ids, tag) in enumerate(zip(self.tokenizer.encode(texts), tags)):
+            data = list(ids)[: self.max_source_length - 1]
             rows[i, 0] = self.tag_id(tag)
             rows[i, 1 : 1 + len(data)] = data
         return rows
 
     def encode_targets(self, texts: Sequence[str]) -> np.ndarray:
-        """int32 [N, max_target_length]: UTF-8 bytes, EOS (when it fits), PAD."""
+        """int32 [N, max_target_length]: tokens, end (when it fits), padding."""
         texts = _texts(texts, "texts")
-        rows = np.full((len(texts), self.max_target_length), PAD, np.int32)
-        for i, text in enumerate(texts):
-            data = (list(text.encode("utf-8")) + [EOS])[: self.max_target_length]
+        rows = np.full((len(texts), self.max_target_length), self.pad_id, np.int32)
+        for i, ids in enumerate(self.tokenizer.encode(texts)):
+            data = (list(ids) + [self.eos_id])[: self.max_target_length]
             rows[i, : len(data)] = data
         return rows
 
-    @staticmethod
-    def decode_ids(ids: np.ndarray) -> list[str]:
-        """Token rows to text: bytes up to the first EOS or PAD (a cut multi-byte character dropped)."""
-        texts = []
+    def decode_ids(self, ids: np.ndarray) -> list[str]:
+        """Token rows to text: tokens up to the first end or padding id, decoded by the tokenizer
+        (bytes: a cut multi-byte character dropped)."""
+        rows = []
         for row in np.asarray(ids):
-            stop = np.flatnonzero(row >= PAD)
-            row = row[: stop[0]] if len(stop) else row
-            texts.append(bytes(row.astype(np.uint8).tolist()).decode("utf-8", errors="ignore"))
-        return texts
+            stop = np.flatnonzero(row >= self.pad_id)
+            rows.append((row[: stop[0]] if len(stop) else row).tolist())
+        return self.tokenizer.decode(rows)
 
     def fits(self, source: str, target: str) -> bool:
-        """Whether a pair fits the model's lengths whole (tag + source, target + EOS)."""
-        return (len(source.encode("utf-8")) + 1 <= self.max_source_length
-                and len(target.encode("utf-8")) + 1 <= self.max_target_length)
+        """Whether a pair fits the model's lengths whole (tag + source, target + end), in tokens."""
+        source_ids, target_ids = self.tokenizer.encode([source, target])
+        return len(source_ids) + 1 <= self.max_source_length and len(target_ids) + 1 <= self.max_target_length
 
     # ----------------------------------------------------------------------------- forward
     def _embed(self, tokens: jax.Array, positions: jax.Array) -> jax.Array:
@@ -249,10 +270,10 @@ class TranslationModel(nnx.Module):
 
     def encode(self, source: jax.Array, *, rng: jax.Array | None = None, capacity: int | None = None):
         """Encoder output [B, Ls, M], the source mask [B, Ls] (True = real token) and the routings."""
-        paddings = (source == PAD).astype(jnp.int32)
+        paddings = (source == self.pad_id).astype(jnp.int32)
         x = split(self._embed(source, self.source_positions[...][: source.shape[1]]), 0, BATCH_AXES, mesh=self.mesh)
         x = _dropout(x, self.dropout_rate, _fold(rng, 0))
-        mask = (source != PAD)[:, None, None, :]
+        mask = (source != self.pad_id)[:, None, None, :]
         routings = []
         for i, block in enumerate(self.encoder):
             h = block.attention_norm(x)
@@ -261,13 +282,13 @@ class TranslationModel(nnx.Module):
             y, routing = _feed_forward(block.ffn, block.ffn_norm(x), _fold(rng, 2, i), paddings, capacity)
             x = x + _dropout(y, self.dropout_rate, _fold(rng, 3, i))
             routings += [routing] if routing is not None else []
-        return self.encoder_norm(x), source != PAD, routings
+        return self.encoder_norm(x), source != self.pad_id, routings
 
     def decode(self, target_in: jax.Array, encoded: jax.Array, source_mask: jax.Array, *,
                rng: jax.Array | None = None, capacity: int | None = None):
         """Logits [B, Lt, vocab] (float32) for decoder inputs [B, Lt] (BOS, then the target shifted)."""
         length = target_in.shape[1]
-        paddings = (target_in == PAD).astype(jnp.int32)
+        paddings = (target_in == self.pad_id).astype(jnp.int32)
         x = split(self._embed(target_in, self.target_positions[...][:length]), 0, BATCH_AXES, mesh=self.mesh)
         x = _dropout(x, self.dropout_rate, _fold(rng, 10))
         causal = jnp.tril(jnp.ones((length, length), bool))[None, None]
@@ -290,12 +311,13 @@ class TranslationModel(nnx.Module):
         """Loss and metrics (cross_entropy per real target token, aux_loss, dropped_tokens,
         target_tokens) for source [B, Ls] and target [B, Lt] ids (teacher forcing; ``rng`` turns on
         dropout and draws the routing's random numbers)."""
-        target_in = jnp.concatenate([jnp.full((target.shape[0], 1), BOS, target.dtype), target[:, :-1]], axis=1)
+        target_in = jnp.concatenate([jnp.full((target.shape[0], 1), self.bos_id, target.dtype), target[:, :-1]],
+                                    axis=1)
         encoded, source_mask, routings = self.encode(source, rng=_fold(rng, 100))
         logits, decoder_routings = self.decode(target_in, encoded, source_mask, rng=_fold(rng, 200))
         routings += decoder_routings
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, target)
-        real = (target != PAD).astype(jnp.float32)
+        real = (target != self.pad_id).astype(jnp.float32)
         target_tokens = jnp.sum(real)
         cross_entropy = jnp.sum(losses * real) / jnp.maximum(target_tokens, 1.0)
         metrics = {"cross_entropy": cross_entropy, "target_tokens": target_tokens}
@@ -409,8 +431,8 @@ class TranslationModel(nnx.Module):
         outputs = []
         for start in range(0, len(source), batch_size):
             rows = source[start : start + batch_size]
-            padded = np.concatenate([rows, np.full((batch_size - len(rows), rows.shape[1]), PAD, np.int32)])
-            padded[len(rows):, 0] = FIRST_TAG
+            padded = np.concatenate([rows, np.full((batch_size - len(rows), rows.shape[1]), self.pad_id, np.int32)])
+            padded[len(rows):, 0] = self.first_tag
             # Explicit transfers only: the batch's source ids in, its output ids out (the first batch
             # compiles; every later one is a steady-state step).
             with steady_state(warm=start > 0):
@@ -442,10 +464,10 @@ def _pairs_loss(model: TranslationModel, batch: dict) -> tuple[jax.Array, dict]:
     return model.loss_and_metrics(batch["source"], batch["target"], rng=jax.random.wrap_key_data(batch["rng"]))
 
 
-def _output_mask(vocab_size: int) -> jax.Array:
-    """Tokens the decoder may emit: bytes and EOS (never PAD, BOS or a tag)."""
-    ids = jnp.arange(vocab_size)
-    return (ids < PAD) | (ids == EOS)
+def _output_mask(model: TranslationModel) -> jax.Array:
+    """Tokens the decoder may emit: text ids and end (never padding, begin or a tag)."""
+    ids = jnp.arange(model.vocab_size)
+    return (ids < model.pad_id) | (ids == model.eos_id)
 
 
 def _cached_step(model: TranslationModel, cache: dict, tokens: jax.Array, position: jax.Array):
@@ -502,15 +524,16 @@ def _beam_search(graphdef, state, source, beam_size: int, alpha: float, cached: 
         step_fn = _cached_step
     else:
         cache = {"encoded": encoded, "source_mask": source_mask,
-                 "inputs": jnp.full((batch * k, length), PAD, jnp.int32)}
+                 "inputs": jnp.full((batch * k, length), model.pad_id, jnp.int32)}
         step_fn = _uncached_step
-    allowed = _output_mask(model.vocab_size)
+    allowed = _output_mask(model)
+    pad_id, eos_id = model.pad_id, model.eos_id
     vocab = model.vocab_size
     scores = jnp.tile(jnp.asarray([0.0] + [-1e9] * (k - 1), jnp.float32), (batch, 1))  # [B, K]
     carry = dict(
-        position=jnp.asarray(0), tokens=jnp.full((batch * k,), BOS, jnp.int32), cache=cache, scores=scores,
+        position=jnp.asarray(0), tokens=jnp.full((batch * k,), model.bos_id, jnp.int32), cache=cache, scores=scores,
         lengths=jnp.zeros((batch, k), jnp.int32), finished=jnp.zeros((batch, k), bool),
-        out=jnp.full((batch, k, length), PAD, jnp.int32),
+        out=jnp.full((batch, k, length), pad_id, jnp.int32),
     )
 
     def cond(carry):
@@ -521,7 +544,7 @@ def _beam_search(graphdef, state, source, beam_size: int, alpha: float, cached: 
         logits, cache = step_fn(model, carry["cache"], carry["tokens"], position)
         log_probs = jax.nn.log_softmax(jnp.where(allowed, logits, -1e30), axis=-1).reshape(batch, k, vocab)
         finished = carry["finished"]
-        pad_only = jnp.where(jnp.arange(vocab) == PAD, 0.0, -1e30)
+        pad_only = jnp.where(jnp.arange(vocab) == pad_id, 0.0, -1e30)
         candidates = carry["scores"][..., None] + jnp.where(finished[..., None], pad_only, log_probs)
         lengths = jnp.where(finished, carry["lengths"], position + 1)
         ranked = candidates / length_penalty(lengths, alpha)[..., None]
@@ -536,7 +559,7 @@ def _beam_search(graphdef, state, source, beam_size: int, alpha: float, cached: 
             cache=jax.tree.map(lambda x: x[rows] if x.ndim and x.shape[0] == batch * k else x, cache),
             scores=jnp.take_along_axis(candidates.reshape(batch, k * vocab), best, axis=1),
             lengths=jnp.where(was_finished, take(carry["lengths"]), position + 1),
-            finished=was_finished | (token == EOS), out=out,
+            finished=was_finished | (token == eos_id), out=out,
         )
 
     carry = jax.lax.while_loop(cond, body, carry)

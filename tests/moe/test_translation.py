@@ -65,7 +65,7 @@ def test_training_translates_what_an_untrained_model_cannot(decoded, pairs):
     english = [en for en, _ in pairs]
 
     def score(ids):
-        return translation_scores(TranslationModel.decode_ids(ids), english, ["fr"] * len(english))["fr"]
+        return translation_scores(tiny_model().decode_ids(ids), english, ["fr"] * len(english))["fr"]
 
     greedy, beam, baseline = score(outputs[1, True]), score(outputs[4, True]), score(untrained)
     assert greedy["chrf"] > baseline["chrf"] + 30, (greedy, baseline)
