@@ -2,8 +2,8 @@
 
 The snippets run in order in one fresh process and one namespace (as a reader pastes them into one
 notebook; later ones use `client` and `bank` from earlier ones), in a scratch directory; their
-`carlskit.connect()` calls start embedded clusters as they would for a reader. Two problem sizes are
-shrunk (training steps), by replacements that must match the README exactly. Two cluster starts and
+`carlskit.connect()` calls start embedded clusters as they would for a reader. Three problem sizes are
+shrunk (training and outer steps), by replacements that must match the README exactly. Two cluster starts and
 the MoE and meta-training compilations dominate its time: 4.5 minutes on the shared 2-core machine
 at load average ~12 (meta-training 76 s, MoE 73 s, the CARLS loop 54 s, the first cluster 37 s); a
 quiet machine is several times faster.
@@ -28,6 +28,7 @@ COMPILE_ONLY = re.compile(r"<!-- tests/test_readme\.py: compile only \((.+)\) --
 SMALLER = {
     "steps=300, block=False)": "steps=20, block=False)",
     "model.fit(tokens[:1792], steps=300,": "model.fit(tokens[:1792], steps=10,",
+    "training.wait(200) ": "training.wait(20) ",  # the meta-training cluster: 22 s -> 6 s on a quiet machine
 }
 
 RUNNER = r'''
