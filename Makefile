@@ -49,9 +49,11 @@ lab: $(LAB_STAMP) notebook-filter
 # The notebooks run once, as a user runs them: Run All and save in JupyterLab, driven by Chromium
 # (tests/notebooks/test_run_all_in_lab.py, before tests/test_docs.py, which renders their executed copies in
 # notebooks/executed/). Without Debian's Chromium (make browser) that test skips, so nbmake runs them instead.
+# Two pytest-xdist workers: most tests keep one core busy; the tests that start or count JAX process groups,
+# the notebooks and the docs run on one worker in order (tests/conftest.py: ONE_WORKER).
 NOTEBOOK_RUN := $(if $(wildcard /usr/bin/chromium),,--nbmake notebooks --nbmake-timeout=300)
 test: $(TEST_STAMP) notebook-filter
-	CARLSKIT_SMALL=1 $(BIN)/python -m pytest $(NOTEBOOK_RUN) tests -p no:cacheprovider -rfE --durations=15
+	CARLSKIT_SMALL=1 $(BIN)/python -m pytest $(NOTEBOOK_RUN) tests -p no:cacheprovider -rfE --durations=15 -n 2 --dist loadgroup
 
 # Sphinx with warnings as errors (docs/conf.py says what is generated); the tutorials are rendered from
 # notebooks/executed/ (what make test or JupyterLab last ran), never re-run here.

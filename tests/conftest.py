@@ -34,3 +34,22 @@ def pytest_runtest_makereport(item, call):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
         report.outcome = "failed"
         report.longrepr = f"skipped with CI set (a skip is a failure in CI): {reason}"
+
+
+#: Run by one pytest-xdist worker, in collection order (``make test`` runs ``-n 2 --dist loadgroup``):
+#: the tests that start JAX process groups or look for their rank processes on the whole machine
+#: (test_spmd counts every ``carlskit.cluster._rank`` process, so another worker's group would be
+#: counted), the notebooks (notebook 12 starts groups; each run writes ``notebooks/executed/``; nbmake's
+#: items are ``notebooks/...``),
+#: then the docs rendered from those executed copies, the README's snippets (they start a group)
+#: and the wheel build (it writes ``build/`` in the checkout).
+ONE_WORKER = ("notebooks/", "tests/cluster/test_spmd.py", "tests/moe/test_moe_processes.py", "tests/notebooks/",
+              "tests/test_docs.py", "tests/test_readme.py", "tests/test_release.py",
+              "tests/training/test_fit_processes.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook turns the groups into node ids
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.nodeid.startswith(ONE_WORKER):
+            item.add_marker(pytest.mark.xdist_group("one_worker"))
