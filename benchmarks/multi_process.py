@@ -9,8 +9,10 @@ pool from it), so "2 processes" is two cores and "1 process" one:
   3 MB of float32 gradients at 512), data parallel, the same per-process batch in both variants
   (``--small-batch`` and ``--large-batch`` rows per process and step). Throughput = global rows /
   step time; ``dp_2proc_over_1proc`` = 2 * t(1 process) / t(2 processes) at the large batch
-  (``_small`` at the small one). 2.0 is perfect scaling; 1.0 means the second process bought
-  nothing.
+  (``_small`` at the small one) with ``Trainer(data_parallel="local")`` (each device's loss, one
+  flat all-reduce of the gradients); ``dp_2proc_over_1proc_global`` (and ``_global_small``) with
+  the default ``"global"`` step (XLA partitions it: one collective per parameter on CPU). 2.0 is
+  perfect scaling; 1.0 means the second process bought nothing.
 - ``moe``: ``MoEModel.fit`` (8 experts over all devices: the dispatch is an all-to-all across the
   processes), the same per-process batch; ``moe_2proc_over_1proc`` likewise.
 - the bytes one step's collectives move (from the compiled program: all-reduce, all-to-all, per
@@ -45,14 +47,17 @@ BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, 
 
 def collective_bytes(hlo: str) -> dict[str, int]:
     """Bytes of the results of each kind of collective in a compiled program's text (per process),
-    and the number of ops of each kind (``KIND_ops``)."""
+    the number of ops of each kind (``KIND_ops``) and of the buffers they reduce or move
+    (``KIND_buffers``: a combined op over a tuple still runs one collective per buffer on CPU)."""
     totals = dict.fromkeys(COLLECTIVES, 0)
     for line in hlo.splitlines():
         for kind in COLLECTIVES:
             if f" {kind}(" in line or f" {kind}-start(" in line:
                 totals[f"{kind}_ops"] = totals.get(f"{kind}_ops", 0) + 1
                 shape = line.split("=", 1)[1].split(f" {kind}", 1)[0]
-                for dtype, dims in re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape):
+                buffers = re.findall(r"\b([a-z]+\d*)\[([\d,]*)\]", shape)
+                totals[f"{kind}_buffers"] = totals.get(f"{kind}_buffers", 0) + len(buffers)
+                for dtype, dims in buffers:
                     count = 1
                     for d in filter(None, dims.split(",")):
                         count *= int(d)
@@ -94,12 +99,14 @@ def rank_measurements(width: int, batches: tuple[int, ...], steps: int, skip: in
         rows = per_process * count
         data = np.random.default_rng(0).normal(size=(rows, width)).astype(np.float32)
         batch = {"x": data, "y": data.mean(axis=1)}
-        trainer = Trainer(MLP(), optax.sgd(1e-3), mse, check_finite=False)
-        history = trainer.fit(lambda step: batch, steps, progress=False, live=False)
-        result[f"dp_step_{per_process}"] = float(np.mean([r["step_seconds"] for r in history[skip:]]))
-        if per_process == batches[-1]:
-            placed = trainer._place(trainer._source(lambda step: batch, 0)())
-            result["dp_bytes"] = collective_bytes(trainer._train_step.lower(trainer._state, placed).compile().as_text())
+        for mode, prefix in (("local", "dp"), ("global", "dp_global")):
+            trainer = Trainer(MLP(), optax.sgd(1e-3), mse, check_finite=False, data_parallel=mode)
+            history = trainer.fit(lambda step: batch, steps, progress=False, live=False)
+            result[f"{prefix}_step_{per_process}"] = float(np.mean([r["step_seconds"] for r in history[skip:]]))
+            if per_process == batches[-1]:
+                placed = trainer._place(trainer._source(lambda step: batch, 0)())
+                hlo = trainer._train_step.lower(trainer._state, placed).compile().as_text()
+                result[f"{prefix}_bytes"] = collective_bytes(hlo)
 
     if count > 1:  # the lever: the same data-parallel step by hand, gradients summed in float32 or bfloat16
         result.update(gradient_precision_steps(width, batches[-1], steps, skip))
@@ -208,11 +215,14 @@ def main() -> None:
     # throughput ratio = (2 rows / t2) / (rows / t1) = 2 * t1 / t2, per repeat
     for key, label in ((f"dp_step_{args.large_batch}", "dp_2proc_over_1proc"),
                        (f"dp_step_{args.small_batch}", "dp_2proc_over_1proc_small"),
+                       (f"dp_global_step_{args.large_batch}", "dp_2proc_over_1proc_global"),
+                       (f"dp_global_step_{args.small_batch}", "dp_2proc_over_1proc_global_small"),
                        ("moe_step", "moe_2proc_over_1proc")):
         samples = {"one": [2 * r[key] for r in runs["one"]], "two": [r[key] for r in runs["two"]]}
         results.update(ratio(samples, "one", "two", label))
         results[f"{label}_ms"] = {"1proc_x2": 1e3 * medians(samples)["one"], "2proc": 1e3 * medians(samples)["two"]}
     results["dp_collective_bytes_per_step"] = runs["two"][-1]["dp_bytes"]
+    results["dp_global_collective_bytes_per_step"] = runs["two"][-1]["dp_global_bytes"]
     results["moe_collective_bytes_per_step"] = runs["two"][-1]["moe_bytes"]
     for name in ("f32", "bf16"):
         results[f"manual_dp_step_{name}_ms"] = 1e3 * statistics.median(r[f"manual_step_{name}"] for r in runs["two"])

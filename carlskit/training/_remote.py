@@ -56,6 +56,7 @@ class RemoteFit:
     array_metrics: bool
     step: int
     target_step: int
+    data_parallel: str = "global"
     channel: str = dataclasses.field(default_factory=lambda: f"carlskit-fit-{uuid.uuid4().hex[:12]}")
 
     def channel_of(self, client: Any) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from carlskit._checks import instance, positive_int
+from carlskit._checks import choice, instance, positive_int
 from carlskit._errors import RankFailedError
 from carlskit._history import History
 from carlskit._notebook import LoopDisplay
@@ -44,6 +44,8 @@ from carlskit.training._remote import (
 )
 
 LossFn = Callable[[nnx.Module, Batch], tuple[jax.Array, dict[str, jax.Array]]]
+#: ``Trainer(data_parallel=...)``: XLA partitions the global step, or each device's loss, averaged
+DATA_PARALLEL = ("global", "local")
 
 
 class FitHandle:
@@ -116,6 +118,15 @@ class Trainer:
       array_metrics: let ``loss_fn``'s metrics be arrays (e.g. an MoE's expert load per layer and
         expert), kept in the records as NumPy arrays and not written to ``summaries``; by default a
         non-scalar metric is a ``ValueError``.
+      data_parallel: how a step over several devices (or processes) computes its gradients.
+        ``"global"`` (default): XLA partitions the step over the global batch, so any loss, also
+        one that couples rows (in-batch negatives), is exactly the one-device loss. ``"local"``:
+        every device evaluates ``loss_fn`` on its own rows and one all-reduce of a single flat
+        buffer averages the gradients, the loss and the floating metrics (PyTorch DDP's
+        semantics): the same step for a loss that is a mean over rows, and faster across
+        processes (XLA's CPU runtime and gloo run the global step's gradient all-reduce as one
+        collective per parameter; ``BENCHMARKS.md``, one model over several processes). Not with
+        bank-trained tables or a model that places its own parameters.
 
     The state is replicated over this process's devices and batches split over them, unless the
     model's parameters are already placed on a mesh of several devices (``MoEModel(mesh=...)``):
@@ -135,6 +146,7 @@ class Trainer:
         prefetch: int = 2,
         check_finite: bool = True,
         array_metrics: bool = False,
+        data_parallel: str = "global",
     ):
         instance(model, "model", nnx.Module, "a flax.nnx.Module")
         instance(optimizer, "optimizer", optax.GradientTransformation, "an optax GradientTransformation")
@@ -166,6 +178,10 @@ class Trainer:
             if not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.check_finite, self.array_metrics = check_finite, array_metrics
+        self.data_parallel = choice(data_parallel, "data_parallel", DATA_PARALLEL)
+        if self.data_parallel == "local" and self.embeddings is not None:
+            raise ValueError("data_parallel='local' cannot train BankEmbeddings tables (their rows are "
+                             "looked up for the global batch); use data_parallel='global'")
         self.checkpoints = checkpoints
         self.checkpoint_every = checkpoint_every
         self.summaries = summaries
@@ -181,6 +197,9 @@ class Trainer:
         self.remote_restarts = 0  # fits on a worker resubmitted after the worker was lost
         self._graphdef, self._state = nnx.split((self.model, self.optimizer))
         self._mesh = None if _placed_on_a_mesh(self._state) else _data_mesh()
+        if self._mesh is None and self.data_parallel == "local" and _placed_on_a_mesh(self._state):
+            raise ValueError("data_parallel='local' needs the trainer's data mesh, but the model places its "
+                             "own parameters on a mesh (e.g. MoEModel(mesh=...)); use data_parallel='global'")
         if self._mesh is not None:
             self._state = _replicate(self._state, self._mesh)
         # No buffer donation: the model the user holds (and evaluates while training runs in the
@@ -198,7 +217,8 @@ class Trainer:
             return _check_loss_output(loss_fn(model, batch), self.array_metrics)
 
         return make_train_step(self._graphdef, checked_loss, check_finite=self.check_finite,
-                               bank_rows=self.embeddings is not None)
+                               bank_rows=self.embeddings is not None,
+                               local_mesh=self._mesh if self.data_parallel == "local" else None)
 
     def sync(self) -> None:
         """Copy the training state into ``self.model`` and ``self.optimizer`` (done after fit)."""
@@ -504,7 +524,8 @@ class Trainer:
         """What a worker needs to rebuild this trainer and fit it ``steps`` steps on."""
         return RemoteFit(self._graphdef, jax.device_get(self.checkpoint_tree()), self.optimizer_transform,
                          self.loss_fn, self.knowledge, self.checkpoints, self.checkpoint_every, self.prefetch,
-                         self.check_finite, self.array_metrics, self.step, self.step + steps)
+                         self.check_finite, self.array_metrics, self.step, self.step + steps,
+                         self.data_parallel)
 
     def _fit_remotely(self, client: Any, data: Any, steps: int, placement: Placement, policy: Any,
                       stop: threading.Event, display: LoopDisplay, processes: int | None = None,
@@ -561,7 +582,7 @@ class Trainer:
         model, _ = nnx.merge(spec.graphdef, nnx.State({0: spec.state["model"], 1: spec.state["optimizer"]}))
         trainer = cls(model, spec.optimizer, spec.loss_fn, knowledge=spec.knowledge, checkpoints=spec.checkpoints,
                       checkpoint_every=spec.checkpoint_every, prefetch=spec.prefetch, check_finite=spec.check_finite,
-                      array_metrics=spec.array_metrics)
+                      array_metrics=spec.array_metrics, data_parallel=spec.data_parallel)
         if trainer.step <= spec.step:
             trainer.adopt(spec.state, spec.step)
         return trainer

@@ -66,6 +66,19 @@ def test_a_two_process_fit_equals_the_one_process_fit_on_the_same_global_batches
         np.testing.assert_array_equal(got, want)
 
 
+def test_local_losses_over_two_processes_equal_the_one_process_fit(client, one_process):
+    """data_parallel="local": each of 2 x 4 devices differentiates its own rows' mean loss, one flat
+    all-reduce across the processes averages them: the one-process (global) fit's losses and weights."""
+    trainer = new_trainer(data_parallel="local")
+    history = trainer.fit(tiny_models.sum_batch_16, STEPS, client=client, processes=2, devices_per_process=4,
+                          progress=False, live=False)
+    assert trainer.step == STEPS and trainer.data_parallel == "local"
+    np.testing.assert_allclose([r["loss"] for r in history], [r["loss"] for r in one_process.history],
+                               rtol=1e-5, atol=1e-6)
+    for got, want in zip(parameters(trainer), parameters(one_process)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_a_lost_worker_mid_fit_relaunches_the_group_from_its_newest_checkpoint(client, one_process, tmp_path):
     store = tmp_path / "ckpt"
     trainer = new_trainer(checkpoints=store, checkpoint_every=2)

@@ -117,6 +117,78 @@ def test_data_parallel_over_8_devices_matches_one_device():
     np.testing.assert_allclose(one["losses"], eight["losses"], rtol=1e-5)
 
 
+LOCAL_LOSSES = r"""
+import json, re, numpy as np, jax, jax.numpy as jnp, optax
+from flax import nnx
+import tiny_models
+from carlskit.training import Trainer
+
+
+class Tracking(tiny_models.MLP):  # writes a non-Param variable in its loss: a batch statistic
+    def __init__(self):
+        super().__init__(seed=0)
+        self.seen_mean = nnx.BatchStat(jnp.zeros(4))
+
+
+def mean_loss(model, batch):
+    model.seen_mean.value = batch["x"].mean(axis=0)
+    error = model(batch["x"]) - batch["y"]
+    return jnp.mean(error ** 2), {"mae": jnp.mean(jnp.abs(error))}
+
+
+def coupled_loss(model, batch):  # rows coupled: each prediction against the whole batch's mean
+    out = model(batch["x"])
+    return jnp.mean((out - out.mean() - batch["y"]) ** 2), {}
+
+
+def run(loss, mode):
+    trainer = Trainer(Tracking(), optax.adam(0.05), loss, data_parallel=mode)
+    history = trainer.fit(tiny_models.sum_batch_16, 6, progress=False, live=False)
+    trainer.sync()
+    placed = trainer._place(tiny_models.sum_batch_16(0))
+    hlo = trainer._train_step.lower(trainer._state, placed).compile().as_text()
+    operands = [len(re.findall(r"%[\w.-]+", line.split("all-reduce(", 1)[1].split(")", 1)[0]))
+                for line in hlo.splitlines() if " all-reduce(" in line]
+    return {"losses": [r["loss"] for r in history], "mae": [r.get("mae") for r in history],
+            "params": [np.asarray(x).tolist() for x in jax.tree.leaves(nnx.state(trainer.model, nnx.Param))],
+            "seen_mean": np.asarray(trainer.model.seen_mean.value).tolist(), "all_reduce_operands": operands}
+
+
+print(json.dumps({"devices": jax.device_count(),
+                  **{f"{name}_{mode}": run(loss, mode) for name, loss in (("mean", mean_loss), ("coupled", coupled_loss))
+                     for mode in ("global", "local")}}))
+"""
+
+
+def test_local_losses_equal_the_global_step_for_a_mean_loss_in_one_all_reduce():
+    """data_parallel="local" over 8 devices: a mean loss reaches the global step's losses, metrics,
+    parameters and written batch statistic, with one single-buffer all-reduce per step where the
+    global step reduces one operand per parameter; a loss that couples rows sees each device's own."""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__)),
+                                          os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", LOCAL_LOSSES], env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["devices"] == 8
+    glob, local = got["mean_global"], got["mean_local"]
+    for key in ("losses", "mae", "seen_mean"):
+        np.testing.assert_allclose(local[key], glob[key], rtol=1e-5, atol=1e-6, err_msg=key)
+    for a, b in zip(local["params"], glob["params"]):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    assert local["all_reduce_operands"] == [1], local["all_reduce_operands"]
+    assert max(glob["all_reduce_operands"]) >= 4, glob["all_reduce_operands"]  # one per parameter (and more)
+    # the coupled loss: the first step's loss is the same batch, but each device centres on its own rows
+    assert abs(got["coupled_local"]["losses"][0] - got["coupled_global"]["losses"][0]) > 1e-3
+
+
+def test_local_losses_refuse_what_they_cannot_train():
+    with pytest.raises(ValueError, match="data_parallel"):
+        Trainer(Linear(), optax.sgd(0.1), mse, data_parallel="ddp")
+    with pytest.raises(TypeError, match="data_parallel"):
+        Trainer(Linear(), optax.sgd(0.1), mse, data_parallel=1)
+
+
 def test_trainer_logs_every_step_to_summaries(tmp_path):
     from carlskit.summaries import SummaryReader, SummaryWriter
 
