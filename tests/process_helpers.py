@@ -61,7 +61,7 @@ def checkout_cluster(n_workers: int = 2):
     old_path = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [root, old_path]))
     cluster = distributed.LocalCluster(n_workers=n_workers, threads_per_worker=1, processes=True,
-                                       dashboard_address=None)
+                                       dashboard_address="127.0.0.1:0")  # None still takes 8787
     client = distributed.Client(cluster)
     try:
         client.wait_for_workers(n_workers, timeout=120)  # under load, workers may register after start-up

@@ -438,11 +438,7 @@ class KnowledgeBank:
         """Validate, route and send gradients; the pending shard calls and the keys each got."""
         config = self._embedding_config(table, "apply_gradients")
         if push_id is not None:
-            if isinstance(push_id, bool) or not isinstance(push_id, (int, np.integer)):
-                raise TypeError(f"push_id must be an int or None, got {type(push_id).__name__}")
-            if not 0 <= push_id < 2 ** 63:
-                raise ValueError(f"push_id must be in [0, 2**63), got {push_id}")
-            push_id = int(push_id)
+            push_id = integer(push_id, "push_id", minimum=0, maximum=2 ** 63 - 1)
         keys = _as_keys(keys)
         gradients = _as_matrix(gradients, len(keys), config.dim, "gradients", finite=False)
         routes, sent = self._routed(keys, detach)

@@ -50,9 +50,11 @@ class Tokenizer(Protocol):
 
     vocab_size: int
 
-    def encode(self, texts: Sequence[str]) -> list[list[int]]: ...
+    def encode(self, texts: Sequence[str]) -> list[list[int]]:
+        """Each text as its list of ids, each id in ``[0, vocab_size)``."""
 
-    def decode(self, rows: Sequence[Sequence[int]]) -> list[str]: ...
+    def decode(self, rows: Sequence[Sequence[int]]) -> list[str]:
+        """Each row of ids back to its text."""
 
 
 def _texts(texts: Sequence[str]) -> list[str]:
