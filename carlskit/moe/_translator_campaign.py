@@ -46,6 +46,10 @@ class TranslatorConfig:
     ``languages``: how many of the corpus' languages (largest first) translate into English (None:
     all); ``vocabulary``: the shipped shared sentencepiece vocabulary (False: UTF-8 bytes);
     ``max_length``: source and target length in tokens (pairs that do not fit whole are left out);
+    ``buckets``: batches hold pairs of one length bucket (the longer of tag + source and target +
+    end at most the bucket's length), cut to it, ``tokens_per_batch // length`` pairs each (fairseq's
+    ``max_tokens``): the pairs average about 10 tokens, so a batch padded to ``max_length`` would
+    be mostly padding;
     ``learning_rate`` peaks after ``warmup_steps`` and decays as ``1 / sqrt(step)``;
     ``validate_every_steps``: steps between saves (each save logs a validation line);
     ``validation_per_tag``: validation pairs per reported tag."""
@@ -63,14 +67,15 @@ class TranslatorConfig:
     capacity_factor: float = 2.0
     dropout_rate: float = 0.1
     max_length: int = 32
-    batch_size: int = 64
+    buckets: tuple[int, ...] = (8, 12, 16, 24, 32)
+    tokens_per_batch: int = 2048
     learning_rate: float = 1e-2
     warmup_steps: int = 1000
     validate_every_steps: int = 500
     validation_per_tag: int = 32
 
     def __post_init__(self) -> None:
-        for name in ("num_layers", "d_model", "num_heads", "ffn_dim", "max_length", "batch_size", "warmup_steps",
+        for name in ("num_layers", "d_model", "num_heads", "ffn_dim", "max_length", "tokens_per_batch", "warmup_steps",
                      "validate_every_steps", "validation_per_tag", "corpus_version"):
             object.__setattr__(self, name, positive_int(getattr(self, name), name))
         for name in ("seed", "num_experts"):
@@ -84,6 +89,12 @@ class TranslatorConfig:
         if isinstance(self.from_english, str) or not all(isinstance(t, str) and t for t in self.from_english):
             raise TypeError(f"from_english must be a sequence of language codes, got {self.from_english!r}")
         object.__setattr__(self, "from_english", tuple(self.from_english))
+        buckets = tuple(sorted({positive_int(b, "buckets") for b in self.buckets if b < self.max_length}
+                               | {self.max_length}))
+        object.__setattr__(self, "buckets", buckets)
+        if self.tokens_per_batch < self.max_length:
+            raise ValueError(f"tokens_per_batch ({self.tokens_per_batch}) must hold one pair of max_length "
+                             f"({self.max_length})")
         if not isinstance(self.vocabulary, bool):
             raise TypeError(f"vocabulary must be a bool, got {self.vocabulary!r}")
 
@@ -133,6 +144,14 @@ class TranslatorCampaign:
         source, target, tags = self._pairs(corpus, "train", None)
         self.train_sizes = {tag: tags.count(tag) for tag in self.tags}
         self.source, self.target = self.model.encode_sources(source, tags), self.model.encode_targets(target)
+        pad = self.model.pad_id
+        longest = np.maximum((self.source != pad).sum(axis=1), (self.target != pad).sum(axis=1))
+        which = np.searchsorted(np.asarray(config.buckets), longest)  # the first bucket that holds the pair
+        #: per bucket: (length, batch size, row indices)
+        self.buckets = [(length, max(1, config.tokens_per_batch // length), np.flatnonzero(which == i))
+                        for i, length in enumerate(config.buckets) if np.any(which == i)]
+        self._bucket_weights = np.asarray([len(rows) for _, _, rows in self.buckets], np.float64)
+        self._bucket_weights /= self._bucket_weights.sum()
         reported = languages[:TOP_LANGUAGES] + [f"2{lang}" for lang in config.from_english]
         self.validation = self._pairs(corpus, "valid", config.validation_per_tag, reported)
         self._key_at = step_routing_keys(config.seed, None)
@@ -160,10 +179,13 @@ class TranslatorCampaign:
         return optax.adafactor(self.config.schedule())
 
     def batch_at(self, step: int) -> dict:
-        """Training batch ``step``: rows drawn from ``(seed, step)``, its dropout and routing key."""
-        rows = np.random.default_rng([self.config.seed, step]).integers(0, len(self.source), self.config.batch_size)
-        return {"source": self.model.shard_batch(self.source[rows]),
-                "target": self.model.shard_batch(self.target[rows]), "rng": self._key_at(step)}
+        """Training batch ``step``, drawn from ``(seed, step)``: a bucket (in proportion to its pairs),
+        pairs of it cut to its length, and the step's dropout and routing key."""
+        generator = np.random.default_rng([self.config.seed, step])
+        length, size, members = self.buckets[int(generator.choice(len(self.buckets), p=self._bucket_weights))]
+        rows = members[generator.integers(0, len(members), size)]
+        return {"source": self.model.shard_batch(self.source[rows, :length]),
+                "target": self.model.shard_batch(self.target[rows, :length]), "rng": self._key_at(step)}
 
     def trainer(self, run_dir: pathlib.Path):
         """The campaign's :class:`~carlskit.training.Trainer`, at the newest intact state of ``run_dir``."""

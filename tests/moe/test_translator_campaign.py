@@ -21,7 +21,7 @@ from carlskit.checkpoints import CheckpointStore
 from carlskit.moe._translator_campaign import TranslatorConfig, load_config, run_translator_campaign
 
 TINY = dict(languages=3, d_model=16, num_heads=2, ffn_dim=32, num_layers=2, num_experts=4, max_length=16,
-            batch_size=8, warmup_steps=4, validate_every_steps=3, validation_per_tag=2)
+            buckets=(8,), tokens_per_batch=96, warmup_steps=4, validate_every_steps=3, validation_per_tag=2)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -65,7 +65,17 @@ def test_a_damaged_newest_state_is_skipped_and_the_log_follows_the_state_loaded(
 
 
 def test_a_started_campaign_is_not_started_again_and_a_missing_one_not_resumed(tmp_path):
-    run_translator_campaign(tmp_path / "run", TranslatorConfig(**TINY), stop_step=0, log=quiet)
+    campaign, _, _ = run_translator_campaign(tmp_path / "run", TranslatorConfig(**{**TINY, "buckets": (6, 10)}),
+                                             stop_step=0, log=quiet)
+    # length buckets: every pair in the first bucket that holds it whole, batches cut to that length
+    pad = campaign.model.pad_id
+    assert [length for length, _, _ in campaign.buckets] == [6, 10, 16]
+    assert sum(len(rows) for _, _, rows in campaign.buckets) == len(campaign.source)
+    for length, size, rows in campaign.buckets:
+        assert size == 96 // length
+        assert (campaign.source[rows, length:] == pad).all() and (campaign.target[rows, length:] == pad).all()
+    widths = {campaign.batch_at(step)["source"].shape for step in range(40)}
+    assert widths <= {(16, 6), (9, 10), (6, 16)} and len(widths) >= 2
     with pytest.raises(FileExistsError, match="--resume"):
         run_translator_campaign(tmp_path / "run", TranslatorConfig(**TINY), stop_step=0, log=quiet)
     with pytest.raises(FileNotFoundError, match="--campaign"):
