@@ -307,15 +307,23 @@ class TranslationModel(nnx.Module):
         logits = (self.decoder_norm(x) @ self.embedding[...].T).astype(jnp.float32)
         return split(logits, 0, BATCH_AXES, mesh=self.mesh), routings
 
+    def teacher_forced(self, source: jax.Array, target: jax.Array, *, rng: jax.Array | None = None,
+                       capacity: int | None = None) -> tuple[jax.Array, list]:
+        """Logits [B, Lt, vocab] for target [B, Lt] given source [B, Ls] (decoder inputs: BOS, then
+        the target shifted), and the routings of every MoE layer, encoder's then decoder's, in
+        layer order (``capacity`` overrides every MoE layer's C, as :meth:`encode`)."""
+        target_in = jnp.concatenate([jnp.full((target.shape[0], 1), self.bos_id, target.dtype), target[:, :-1]],
+                                    axis=1)
+        encoded, source_mask, routings = self.encode(source, rng=_fold(rng, 100), capacity=capacity)
+        logits, decoder_routings = self.decode(target_in, encoded, source_mask, rng=_fold(rng, 200),
+                                               capacity=capacity)
+        return logits, routings + decoder_routings
+
     def loss_and_metrics(self, source: jax.Array, target: jax.Array, *, rng: jax.Array | None = None):
         """Loss and metrics (cross_entropy per real target token, aux_loss, dropped_tokens,
         target_tokens) for source [B, Ls] and target [B, Lt] ids (teacher forcing; ``rng`` turns on
         dropout and draws the routing's random numbers)."""
-        target_in = jnp.concatenate([jnp.full((target.shape[0], 1), self.bos_id, target.dtype), target[:, :-1]],
-                                    axis=1)
-        encoded, source_mask, routings = self.encode(source, rng=_fold(rng, 100))
-        logits, decoder_routings = self.decode(target_in, encoded, source_mask, rng=_fold(rng, 200))
-        routings += decoder_routings
+        logits, routings = self.teacher_forced(source, target, rng=rng)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, target)
         real = (target != self.pad_id).astype(jnp.float32)
         target_tokens = jnp.sum(real)
