@@ -280,6 +280,18 @@ CASES = {
     "train_vocabulary corpus": (lambda api: data.train_vocabulary([("a", "b")]), T, "corpus"),
     "SentencePieceTokenizer model": (lambda api: data.SentencePieceTokenizer("model"), T, "model"),
     "TranslationModel tokenizer": (lambda api: moe.TranslationModel(["fr"], tokenizer="bytes"), T, "tokenizer"),
+    "expert_assignment model": (lambda api: moe.expert_assignment("model", np.zeros((1, 8), np.int32)), T, "model"),
+    "expert_assignment batch_size": (lambda api: moe.expert_assignment(
+        moe.TranslationModel(["fr"], 1, 8, 2, 2, max_source_length=8), np.zeros((1, 8), np.int32), batch_size=0),
+        V, "batch_size"),
+    "expert_assignment source": (lambda api: moe.expert_assignment(
+        moe.TranslationModel(["fr"], 1, 8, 2, 2, max_source_length=8), np.zeros((1, 5), np.int32)), V, "source"),
+    "capacity_overflow target": (lambda api: moe.capacity_overflow(
+        moe.TranslationModel(["fr"], 1, 8, 2, 2, max_source_length=8, max_target_length=8),
+        np.full((1, 8), 259, np.int32), np.zeros((2, 8), np.int32)), V, "target"),
+    "TranslationModel.save info": (lambda api: moe.TranslationModel(["fr"], 1, 8, 2).save(
+        api.tmp / "model", info={"bleu": float("inf")}), V, "info"),
+    "TranslationModel.load path": (lambda api: moe.TranslationModel.load(3), T, "path"),
     "load_captioned_digits num_items": (lambda api: data.load_captioned_digits(100.0), T, "num_items"),
     "load_captioned_digits num_test type": (lambda api: data.load_captioned_digits(100, num_test="1"), T,
                                             "num_test"),

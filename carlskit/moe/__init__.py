@@ -31,6 +31,7 @@ from carlskit.moe._model import MoEModel
 from carlskit.moe._sharding import auto_axes, make_mesh, replicate, shard, split
 from carlskit.moe._text_lm import TEXT_LM_SIZES, text_lm_comparison
 from carlskit.moe._translation import TranslationModel, length_penalty, translation_scores
+from carlskit.moe._translation_analyses import ExpertAssignment, capacity_overflow, expert_assignment
 from carlskit.moe._translation_comparison import TRANSLATION_SIZES, translation_comparison
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "TEXT_LM_SIZES",
     "TRANSLATION_SIZES",
     "CausalSelfAttention",
+    "ExpertAssignment",
     "FeedForward",
     "MoEFeedForward",
     "MoEModel",
@@ -46,12 +48,14 @@ __all__ = [
     "TransformerBlock",
     "TranslationModel",
     "auto_axes",
+    "capacity_overflow",
     "combine",
     "combine_einsum",
     "combine_scatter",
     "dispatch",
     "dispatch_einsum",
     "dispatch_gather",
+    "expert_assignment",
     "expert_capacity",
     "expert_choice_gating",
     "length_penalty",

@@ -70,6 +70,23 @@ class Routing:
         return jnp.where(self.dispatch_mask.astype(bool), self.slot_weight[:, None, :, :],
                          jnp.zeros((), self.slot_weight.dtype))
 
+    def top_expert(self) -> jax.Array:
+        """int32 [G, S]: each token's expert of largest combine weight (the lowest index on a tie),
+        -1 for a token dispatched nowhere (padding, or dropped by every expert it chose).
+
+        For top-1 and top-2 routing with a capacity that drops nothing (C = S) this is the token's
+        first choice, ``argmax(softmax(logits))``, read from the slot form (no second router).
+        """
+        groups, num_experts, capacity = self.slot_token.shape
+        rows = jnp.arange(groups)[:, None, None]
+        experts = jnp.broadcast_to(jnp.arange(num_experts)[None, :, None], self.slot_token.shape)
+        # Empty slots hold token S: they land in a spare row S that is cut off.
+        weights = jnp.full((groups, self.num_tokens + 1, num_experts), -jnp.inf, jnp.float32)
+        weights = weights.at[rows, self.slot_token, experts].max(self.slot_weight.astype(jnp.float32))
+        weights = weights[:, : self.num_tokens]
+        dispatched = jnp.any(weights > -jnp.inf, axis=-1)
+        return jnp.where(dispatched, jnp.argmax(weights, axis=-1), -1).astype(jnp.int32)
+
     def __iter__(self) -> Iterator[Any]:
         return iter((self.combine_weights, self.dispatch_mask, self.aux_loss, self.metrics))
 

@@ -27,7 +27,11 @@ its group: cached and uncached decoding then compute the same function.
 from __future__ import annotations
 
 import functools
+import importlib.resources
+import json
 import math
+import os
+import pathlib
 import time
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -39,7 +43,21 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from carlskit._checks import choice, finite_float, integer, positive_float, positive_int
+from carlskit._checks import path as check_path
+from carlskit._errors import CorruptFileError
 from carlskit._history import History
+from carlskit._serialization import (
+    arrays_to_npz_bytes,
+    atomic_write,
+    check_seal,
+    dumps_checked_json,
+    filesystem,
+    flatten_pytree,
+    loads_checked_json,
+    npz_bytes_to_arrays,
+    seal_zip,
+    unflatten_into,
+)
 from carlskit._transfers import steady_state
 from carlskit.moe._layers import BATCH_AXES, MoEFeedForward, _scaled_normal
 from carlskit.moe._model import _checked_mesh, _moe_options, feed_forward_for_layer, place_parameters, step_routing_keys
@@ -51,6 +69,10 @@ if TYPE_CHECKING:
 PAD, BOS, EOS = 256, 257, 258  # the byte tokenizer's (the default) padding, begin and end ids
 FIRST_TAG = 259
 OPTIMIZERS = ("adafactor", "adam")
+MODEL_FORMAT = "carlskit.translation-model/1"
+PRETRAINED_FILE = "pretrained_translation.npz"  # in carlskit/moe/, shipped as package data
+DESCRIPTION_ENTRY = "description"  # the checked JSON document, as uint8
+TOKENIZER_ENTRY = "tokenizer"  # the sentencepiece model's bytes, as uint8
 
 
 def length_penalty(length: jax.Array, alpha: float) -> jax.Array:
@@ -145,6 +167,9 @@ class TranslationModel(nnx.Module):
         shipped shared sentencepiece vocabulary. Lengths are in its tokens.
 
     ``loss = cross-entropy over real target tokens + aux_loss_weight * mean aux loss``.
+
+    ``config`` holds the constructor arguments (pairs, without mesh and seed) that :meth:`save`
+    writes with the parameters; :meth:`load` and :meth:`pretrained` read such a file back.
     """
 
     def __init__(
@@ -204,6 +229,16 @@ class TranslationModel(nnx.Module):
         self.max_target_length = int(max_target_length)
         self.dropout_rate = float(dropout_rate)
         self.aux_loss_weight = float(aux_loss_weight)
+        # What save() writes and load() rebuilds from (a tuple of pairs: module attributes are part
+        # of the hashed graph definition).
+        self.config = tuple(dict(
+            tags=self.tags, num_layers=int(num_layers), d_model=int(d_model), num_heads=int(num_heads),
+            num_experts=self.num_experts, ffn_dim=int(ffn_dim), max_source_length=self.max_source_length,
+            max_target_length=self.max_target_length, dropout_rate=self.dropout_rate,
+            capacity_factor=float(capacity_factor), aux_loss_weight=self.aux_loss_weight,
+            second_expert_policy=second_expert_policy, router=router, dispatch=dispatch,
+        ).items())
+        self.info_json = "{}"  # a str, hashable as the graph definition needs: see ``info``
         self.mesh = None if mesh is None else _checked_mesh(mesh)
         rngs = nnx.Rngs(params=seed)
         self.embedding = _scaled_normal(rngs, (self.vocab_size, d_model), d_model)  # shared and tied
@@ -307,15 +342,23 @@ class TranslationModel(nnx.Module):
         logits = (self.decoder_norm(x) @ self.embedding[...].T).astype(jnp.float32)
         return split(logits, 0, BATCH_AXES, mesh=self.mesh), routings
 
+    def teacher_forced(self, source: jax.Array, target: jax.Array, *, rng: jax.Array | None = None,
+                       capacity: int | None = None) -> tuple[jax.Array, list]:
+        """Logits [B, Lt, vocab] for target [B, Lt] given source [B, Ls] (decoder inputs: BOS, then
+        the target shifted), and the routings of every MoE layer, encoder's then decoder's, in
+        layer order (``capacity`` overrides every MoE layer's C, as :meth:`encode`)."""
+        target_in = jnp.concatenate([jnp.full((target.shape[0], 1), self.bos_id, target.dtype), target[:, :-1]],
+                                    axis=1)
+        encoded, source_mask, routings = self.encode(source, rng=_fold(rng, 100), capacity=capacity)
+        logits, decoder_routings = self.decode(target_in, encoded, source_mask, rng=_fold(rng, 200),
+                                               capacity=capacity)
+        return logits, routings + decoder_routings
+
     def loss_and_metrics(self, source: jax.Array, target: jax.Array, *, rng: jax.Array | None = None):
         """Loss and metrics (cross_entropy per real target token, aux_loss, dropped_tokens,
         target_tokens) for source [B, Ls] and target [B, Lt] ids (teacher forcing; ``rng`` turns on
         dropout and draws the routing's random numbers)."""
-        target_in = jnp.concatenate([jnp.full((target.shape[0], 1), self.bos_id, target.dtype), target[:, :-1]],
-                                    axis=1)
-        encoded, source_mask, routings = self.encode(source, rng=_fold(rng, 100))
-        logits, decoder_routings = self.decode(target_in, encoded, source_mask, rng=_fold(rng, 200))
-        routings += decoder_routings
+        logits, routings = self.teacher_forced(source, target, rng=rng)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, target)
         real = (target != self.pad_id).astype(jnp.float32)
         target_tokens = jnp.sum(real)
@@ -402,6 +445,109 @@ class TranslationModel(nnx.Module):
 
         trainer = Trainer(self, tx, _pairs_loss, check_finite=False)
         return trainer.fit(batch_at, steps, progress=False, live=False, callback=on_record)
+
+    # ----------------------------------------------------------------------------- persistence
+    @property
+    def info(self) -> dict:
+        """What :meth:`save` stored with the model (how it was trained, its scores); ``{}`` for a
+        model built here."""
+        return json.loads(self.info_json)
+
+    def save(self, path: str | os.PathLike, *, info: dict | None = None) -> pathlib.Path:
+        """Write the model to one sealed ``.npz``, atomically; returns the file written.
+
+        The file (``path``, ``.npz`` appended unless it ends so) holds every parameter by its key
+        path, the sentencepiece model's bytes when the tokenizer is one, and a checksummed JSON
+        description: the constructor arguments, the tokenizer, and ``info`` (plain JSON: how it was
+        trained, its scores). No pickle; the zip is sealed with the SHA-256 of every byte
+        (``carlskit._serialization.seal_zip``), so :meth:`load` refuses any damage.
+        """
+        from carlskit.data import ByteTokenizer, SentencePieceTokenizer
+
+        target = pathlib.Path(os.fspath(check_path(path, "path")))
+        target = target if target.name.endswith(".npz") else target.with_name(target.name + ".npz")
+        arrays, _ = flatten_pytree(nnx.state(self, nnx.Param))
+        arrays = {f"param:{name}": value for name, value in arrays.items()}
+        # exact types: a subclass may encode differently, and load() would rebuild the base class
+        if type(self.tokenizer) is SentencePieceTokenizer:
+            tokenizer = {"kind": "sentencepiece", "sha256": self.tokenizer.sha256, "training": self.tokenizer.training}
+            arrays[TOKENIZER_ENTRY] = np.frombuffer(self.tokenizer.model, np.uint8)
+        elif type(self.tokenizer) is ByteTokenizer:
+            tokenizer = {"kind": "bytes"}
+        else:
+            raise TypeError(f"save needs a ByteTokenizer or a SentencePieceTokenizer, the model holds "
+                            f"{type(self.tokenizer).__name__}")
+        document = {"format": MODEL_FORMAT, "config": {k: list(v) if isinstance(v, tuple) else v
+                                                      for k, v in self.config},
+                    "tokenizer": tokenizer, "info": {} if info is None else info}
+        try:
+            description = dumps_checked_json(document)
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"info must be plain, finite JSON: {error}") from error
+        arrays[DESCRIPTION_ENTRY] = np.frombuffer(description, np.uint8)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(*filesystem(os.fspath(target)), seal_zip(arrays_to_npz_bytes(arrays)))
+        return target
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> TranslationModel:
+        """The model :meth:`save` wrote to ``path`` (its ``info`` in ``model.info``).
+
+        Raises ``FileNotFoundError`` naming the file when it is absent and
+        :class:`carlskit.CorruptFileError` (a ``ValueError``) naming it for any damage: a broken seal,
+        an unreadable archive or description, parameters that do not fit the described model.
+        """
+        from carlskit.data import ByteTokenizer, SentencePieceTokenizer
+
+        file = pathlib.Path(os.fspath(check_path(path, "path")))
+        if not file.is_file():
+            raise FileNotFoundError(f"{file}: no translation model file there")
+        data = file.read_bytes()
+        check_seal(data, file)
+        arrays = npz_bytes_to_arrays(data, file)
+        if DESCRIPTION_ENTRY not in arrays:
+            raise CorruptFileError(file, "no description entry: not a carlskit translation model file")
+        document = loads_checked_json(arrays.pop(DESCRIPTION_ENTRY).tobytes(), file)
+        if not isinstance(document, dict) or document.get("format") != MODEL_FORMAT:
+            raise CorruptFileError(file, f"not a carlskit translation model file ({MODEL_FORMAT})")
+        try:
+            kind = document["tokenizer"]["kind"]
+            if kind == "sentencepiece":
+                tokenizer = SentencePieceTokenizer(arrays.pop(TOKENIZER_ENTRY).tobytes(),
+                                                   training=document["tokenizer"]["training"])
+                if tokenizer.sha256 != document["tokenizer"]["sha256"]:
+                    raise ValueError("the sentencepiece model does not match its SHA-256")
+            elif kind == "bytes":
+                tokenizer = ByteTokenizer()
+            else:
+                raise ValueError(f"unknown tokenizer kind {kind!r}")
+            model = cls(**document["config"], tokenizer=tokenizer)
+            params = {name[len("param:"):]: value for name, value in arrays.items() if name.startswith("param:")}
+            if len(params) != len(arrays):
+                raise ValueError(f"unexpected entries {sorted(set(arrays) - {f'param:{n}' for n in params})[:5]}")
+            nnx.update(model, unflatten_into(nnx.state(model, nnx.Param), params, {}))
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            raise CorruptFileError(file, f"does not describe a translation model that fits its parameters "
+                                         f"({type(error).__name__}: {error})") from error
+        if not isinstance(document.get("info"), dict):
+            raise CorruptFileError(file, "its 'info' is not a JSON object")
+        model.info_json = json.dumps(document["info"], sort_keys=True)
+        return model
+
+    @classmethod
+    def pretrained(cls, path: str | os.PathLike | None = None) -> TranslationModel:
+        """The translation model that ships with carlskit (``carlskit/moe/pretrained_translation.npz``), or
+        the model file at ``path``: :meth:`load`, with an error naming the shipped file when it is
+        absent (``FileNotFoundError``) or damaged (:class:`carlskit.CorruptFileError`).
+        """
+        if path is not None:
+            return cls.load(path)
+        resource = importlib.resources.files("carlskit.moe") / PRETRAINED_FILE
+        with importlib.resources.as_file(resource) as file:
+            if not pathlib.Path(file).is_file():
+                raise FileNotFoundError(f"{file}: the pretrained translation model is not in this installation "
+                                        f"(issue 42's training campaign writes it with TranslationModel.save)")
+            return cls.load(file)
 
     # ----------------------------------------------------------------------------- decoding
     def translate(self, texts: Sequence[str], lang: str | Sequence[str], *, beam_size: int = 1,
