@@ -1,0 +1,150 @@
+"""Issue 41's resumable meta-training campaign (``train_pretrained --campaign / --resume``), at smoke size.
+
+The first test compiles the campaign's programs in this process (about 20 s of CPU, the cost of
+every campaign process); the later ones reuse them.
+"""
+
+import math
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from carlskit import CorruptFileError
+from carlskit.checkpoints import CheckpointStore
+from carlskit.lopt._campaign import LOG_NAME, STATE_DIR, Campaign, load_state, read_log, run_campaign
+from carlskit.lopt.train_pretrained import campaign_config, main, parse_args
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+STOP_STEP = 16
+SMALL = ["--small", "--validate-every", "4", "--scheduler-steps", "6", "--checkpoint-every-steps", "1"]
+
+
+def _config():
+    return campaign_config(parse_args(["--campaign", *SMALL]))
+
+
+def _quiet(line):
+    del line
+
+
+def _assert_same_state(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_campaign_resumed_after_sigkill_reaches_the_uninterrupted_runs_state(tmp_path, monkeypatch,
+                                                                              no_leftover_processes):
+    """A campaign process killed with SIGKILL loses only the steps since its last save: resumed
+    (``--resume``) from it, it reaches, at the same step, exactly the state (every array: meta-
+    parameters, outer Adam states, PES states, best meta-parameters, baselines) and the log of a run
+    with the same seed that was never interrupted."""
+    killed = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "jax-cache")}
+    with open(tmp_path / "killed.out", "wb") as output:
+        process = subprocess.Popen([sys.executable, "-m", "carlskit.lopt.train_pretrained", "--campaign", *SMALL,
+                                    "--run-dir", str(killed), "--outer-steps", "100000"],
+                                   env=env, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        # Meanwhile (the other core), the uninterrupted run in this process.
+        _, reference, reference_metadata = run_campaign(tmp_path / "reference", _config(), stop_step=STOP_STEP,
+                                                        checkpoint_every_steps=5, log=_quiet)
+        store = CheckpointStore(killed / STATE_DIR, keep=None)
+        deadline = time.monotonic() + 120.0
+        while (store.latest() or 0) < 3 and process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert process.poll() is None, (tmp_path / "killed.out").read_text()[-2000:]
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    saved = store.latest()
+    assert 3 <= saved < STOP_STEP
+    lines_before = [record["outer_step"] for record in read_log(killed / LOG_NAME)]
+    assert lines_before[-1] in (saved - 1, saved)  # the kill may fall between a save and its log line
+
+    monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax-cache"))
+    assert main(["--resume", "--run-dir", str(killed), "--outer-steps", str(STOP_STEP),
+                 "--checkpoint-seconds", "3600"]) == 0
+    campaign, resumed, metadata = load_state(killed)
+    assert metadata["outer_step"] == reference_metadata["outer_step"] == STOP_STEP
+    _assert_same_state(resumed, reference)
+    for key in ("phase", "best_validation", "best_step", "validation", "config"):
+        assert metadata[key] == reference_metadata[key], key
+    log = read_log(killed / LOG_NAME)
+    assert [r["outer_step"] for r in log] == list(range(saved + 1)) + [STOP_STEP]
+    assert log[-1]["cpu_seconds"] > log[saved]["cpu_seconds"] > 0  # CPU-seconds add up over the runs
+    assert log[-1]["validation_geomean"] == read_log(tmp_path / "reference" / LOG_NAME)[-1]["validation_geomean"]
+
+
+@pytest.fixture(scope="module")
+def small_campaign(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("campaign")
+    run_campaign(run_dir, _config(), stop_step=2, checkpoint_every_steps=1, log=_quiet)
+    return run_dir
+
+
+@pytest.mark.parametrize("damaged", ["npz", "json"])
+def test_a_damaged_newest_state_is_refused_with_a_clear_error_not_loaded(small_campaign, tmp_path, damaged):
+    """One flipped byte in the newest state (arrays or manifest): resuming raises CorruptFileError
+    naming the file and the step, instead of loading it or silently falling back to an older one."""
+    run_dir = tmp_path / "copy"
+    (run_dir / STATE_DIR).mkdir(parents=True)
+    for file in (small_campaign / STATE_DIR).iterdir():
+        (run_dir / STATE_DIR / file.name).write_bytes(file.read_bytes())
+    store = CheckpointStore(run_dir / STATE_DIR, keep=None)
+    newest = store.versions()[-1]
+    target = pathlib.Path(store.file(newest, damaged))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    with pytest.raises(CorruptFileError, match=f"newest campaign state \\(outer step {newest}\\) is damaged"):
+        load_state(run_dir)
+    with pytest.raises(CorruptFileError):
+        main(["--resume", "--run-dir", str(run_dir), "--outer-steps", "4"])
+    assert store.versions()[-1] == newest  # nothing was written over it
+
+
+def test_meta_loss_is_the_log_ratio_to_the_stored_tuned_adam_baseline(small_campaign):
+    """The state holds tuned Adam's final loss per meta-training structure (computed once), and the
+    meta-loss is measured against it: baselines e^2 times larger give a meta-loss exactly 2 lower
+    (a step that ignored the stored baseline would give the same value). The PES gradient is the
+    same (a per-task constant cancels in an antithetic difference), so the meta-parameters are too, up
+    to float rounding."""
+    campaign, state, _ = load_state(small_campaign)
+    expected, _ = campaign.adam_reference(campaign.base_tasks[0], campaign.config.base_horizon, 2000)
+    np.testing.assert_allclose(np.asarray(state["baselines"]), [expected], rtol=1e-6)
+    step = 3
+    scaled = {**state, "baselines": state["baselines"] * math.exp(2.0)}
+    after, meta_loss = campaign.step(state, step)
+    after_scaled, meta_loss_scaled = campaign.step(scaled, step)
+    assert np.isfinite(meta_loss)
+    assert meta_loss_scaled == pytest.approx(meta_loss - 2.0, abs=1e-5)
+    for a, b in zip(jax.tree.leaves(after["meta_params"]), jax.tree.leaves(after_scaled["meta_params"])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)  # the same up to float rounding
+
+
+def test_phase_one_trains_only_the_scheduler_and_phase_two_only_the_correction(small_campaign):
+    """Steps before ``scheduler_steps`` change the scheduler's meta-parameters and outer Adam state
+    and leave the correction's bit for bit; later steps the other way round."""
+    campaign, state, _ = load_state(small_campaign)
+    assert isinstance(campaign, Campaign) and campaign.config.scheduler_steps == 6
+    for step, trained, frozen in ((2, "scheduler", "correction"), (6, "correction", "scheduler")):
+        after, _ = campaign.step(state, step)
+        _assert_same_state(after["meta_params"][frozen], state["meta_params"][frozen])
+        _assert_same_state(after["outer_state"][frozen], state["outer_state"][frozen])
+        changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["meta_params"][trained]),
+                                                             jax.tree.leaves(state["meta_params"][trained]))]
+        assert any(changed), trained
