@@ -18,7 +18,8 @@ import pytest
 
 from carlskit import CorruptFileError
 from carlskit.checkpoints import CheckpointStore
-from carlskit.lopt._campaign import LOG_NAME, STATE_DIR, Campaign, load_state, read_log, run_campaign
+from carlskit.lopt import LearnedOptimizer, NominalAdamRule
+from carlskit.lopt._campaign import LOG_NAME, STATE_DIR, Campaign, load_state, read_log, run_campaign, ship
 from carlskit.lopt.train_pretrained import campaign_config, main, parse_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -148,3 +149,21 @@ def test_phase_one_trains_only_the_scheduler_and_phase_two_only_the_correction(s
         changed = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(after["meta_params"][trained]),
                                                              jax.tree.leaves(state["meta_params"][trained]))]
         assert any(changed), trained
+
+
+def test_ship_writes_the_best_rule_only_when_held_out_validation_improves(small_campaign, tmp_path):
+    """``--ship`` writes the campaign's best meta-parameters (a sealed file that loads as a
+    NominalAdamRule optimizer) where there is nothing better, and leaves a file alone whose
+    validation the campaign does not beat (here: the same rule, so not strictly better)."""
+    out = tmp_path / "shipped.npz"
+    assert main(["--ship", "--run-dir", str(small_campaign), "--out", str(out)]) == 0
+    shipped = LearnedOptimizer.load(out)
+    assert isinstance(shipped.rule, NominalAdamRule)
+    _, state, metadata = load_state(small_campaign)
+    _assert_same_state(shipped.meta_params, state["best_meta_params"])
+    assert shipped.info["campaign"]["best_validation"] == metadata["best_validation"]
+    written = out.read_bytes()
+    assert ship(small_campaign, out, "test", log=_quiet) is None
+    assert out.read_bytes() == written
+    with pytest.raises(FileExistsError, match="--resume"):
+        run_campaign(small_campaign, _config(), stop_step=3, log=_quiet)
