@@ -1,7 +1,7 @@
 """Issue 41's resumable meta-training campaign (``train_pretrained --campaign / --resume``), at smoke size.
 
-The first test compiles the campaign's programs in this process (about 20 s of CPU, the cost of
-every campaign process); the later ones reuse them.
+The first test to run compiles the campaign's programs in this process (about 20 s of CPU, the
+cost of every campaign process's start); the later ones reuse them.
 """
 
 import math
@@ -43,6 +43,7 @@ def _assert_same_state(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+@pytest.mark.slow  # two cold compilations of the campaign's programs, one per process, side by side
 def test_campaign_resumed_after_sigkill_reaches_the_uninterrupted_runs_state(tmp_path, monkeypatch,
                                                                               no_leftover_processes):
     """A campaign process killed with SIGKILL loses only the steps since its last save: resumed
@@ -167,3 +168,19 @@ def test_ship_writes_the_best_rule_only_when_held_out_validation_improves(small_
     assert out.read_bytes() == written
     with pytest.raises(FileExistsError, match="--resume"):
         run_campaign(small_campaign, _config(), stop_step=3, log=_quiet)
+
+
+def test_a_resume_repairs_a_torn_log_line_and_adds_the_line_a_kill_cut_off(small_campaign, tmp_path):
+    """A kill during the log's append leaves a line without its newline, and one between a save and
+    its append leaves no line for the newest state: a resume drops the torn bytes and writes that
+    line, so the log again has one whole line per saved step."""
+    run_dir = tmp_path / "copy"
+    (run_dir / STATE_DIR).mkdir(parents=True)
+    for file in (small_campaign / STATE_DIR).iterdir():
+        (run_dir / STATE_DIR / file.name).write_bytes(file.read_bytes())
+    lines = (small_campaign / LOG_NAME).read_bytes().splitlines(keepends=True)
+    (run_dir / LOG_NAME).write_bytes(b"".join(lines[:-1]) + lines[-1][:20])  # newest line cut mid-way
+    assert [r["outer_step"] for r in read_log(run_dir / LOG_NAME)] == [0, 1]
+    _, _, metadata = run_campaign(run_dir, resume=True, stop_step=2, log=_quiet)
+    assert metadata["outer_step"] == 2
+    assert (run_dir / LOG_NAME).read_bytes() == (small_campaign / LOG_NAME).read_bytes()
