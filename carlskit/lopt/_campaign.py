@@ -258,7 +258,9 @@ class Campaign:
 
     def step(self, state: dict[str, Any], outer_step: int) -> tuple[dict[str, Any], float]:
         """Outer step ``outer_step`` (``state`` is the state after ``outer_step`` steps); returns the
-        new state and the meta-loss (mean ``log(L / R)``)."""
+        new state and the meta-loss (mean ``log(L / R)``). When every antithetic pair diverged (NaN
+        meta-loss) only the PES state moves on (its diverged tasks restart), as ``learner_apply``
+        never applies such an estimate."""
         key = jax.random.fold_in(state["key"], outer_step)
         index = int(jax.random.randint(jax.random.fold_in(key, 0), (), 0, len(self.tasks)))
         _, pes, metrics = self.estimators[index].gradient(state["meta_params"], jax.random.fold_in(key, 1),
@@ -267,6 +269,8 @@ class Campaign:
         meta_params, outer_state, meta_loss = self._apply(state["meta_params"], state["outer_state"],
                                                           metrics["pair_losses"], pes.accumulated_eps,
                                                           state["baselines"][index], part=part)
+        if not np.isfinite(float(meta_loss)):  # every pair diverged: no information, nothing applied
+            meta_params, outer_state = state["meta_params"], state["outer_state"]
         if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(meta_params)):
             raise FloatingPointError(f"the meta-parameters became non-finite at outer step {outer_step}; lower "
                                      "meta_learning_rate or std")
