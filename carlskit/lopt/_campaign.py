@@ -33,13 +33,16 @@ resume repairs a torn last line and adds the line of a save the kill cut off).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
 import pathlib
+import signal
+import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -354,13 +357,36 @@ def _number(value: float) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------- the loop
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[Callable[[], bool]]:
+    """While inside, the first SIGINT or SIGTERM (main thread only) asks the loop to stop at the next
+    step boundary, where it saves; a second SIGINT interrupts at once. Handlers restored on exit."""
+    requested = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield requested.is_set
+        return
+
+    def handle(signum, frame):
+        if requested.is_set() and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested.set()
+
+    previous = {number: signal.signal(number, handle) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield requested.is_set
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
 def run_campaign(run_dir: str | os.PathLike, config: CampaignConfig | None = None, *, resume: bool = False,
                  stop_step: int | None = None, minutes: float | None = None, checkpoint_every_steps: int = 100,
                  checkpoint_every_seconds: float = 300.0, log: Callable[[str], None] = print
                  ) -> tuple[Campaign, dict[str, Any], dict[str, Any]]:
     """Run (``resume=False``: start ``config`` in an empty ``run_dir``) or continue (``resume=True``:
     the stored config) a campaign until outer step ``stop_step`` or ``minutes`` of wall time; returns
-    ``(campaign, state, metadata)`` as last saved (the state is saved on the way out)."""
+    ``(campaign, state, metadata)`` as last saved (the state is saved on the way out). SIGINT or
+    SIGTERM stops it at the next step boundary, saved (a second SIGINT: at once, unsaved)."""
     run_dir = pathlib.Path(run_dir)
     checkpoint_every_steps = positive_int(checkpoint_every_steps, "checkpoint_every_steps")
     checkpoint_every_seconds = positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
@@ -400,26 +426,28 @@ def run_campaign(run_dir: str | os.PathLike, config: CampaignConfig | None = Non
         _save(run_dir, state, snapshot())
     deadline = math.inf if minutes is None else began + 60.0 * minutes
     last_save, saved_step = time.monotonic(), outer_step
-    while (stop_step is None or outer_step < stop_step) and time.monotonic() < deadline:
-        state, meta_loss = campaign.step(state, outer_step)
-        outer_step += 1
-        meta_losses.append(meta_loss)
-        if outer_step % config.validate_every_steps == 0:
-            validation = campaign.validate(state["meta_params"], state)
-            metadata = {**metadata, "validation": _number(validation)}
-            if validation < best:
-                best = validation
-                state = {**state, "best_meta_params": state["meta_params"]}
-                metadata = {**metadata, "best_validation": _number(validation), "best_step": outer_step}
-            log(f"outer step {outer_step} (phase {config.phase(outer_step)}): validation geomean {validation:.4f}, "
-                f"best {best:.4f}")
-        if outer_step % checkpoint_every_steps == 0 or time.monotonic() - last_save >= checkpoint_every_seconds:
+    with _stop_requests() as stop_requested:
+        while (stop_step is None or outer_step < stop_step) and time.monotonic() < deadline and not stop_requested():
+            state, meta_loss = campaign.step(state, outer_step)
+            outer_step += 1
+            meta_losses.append(meta_loss)
+            if outer_step % config.validate_every_steps == 0:
+                validation = campaign.validate(state["meta_params"], state)
+                metadata = {**metadata, "validation": _number(validation)}
+                if validation < best:
+                    best = validation
+                    state = {**state, "best_meta_params": state["meta_params"]}
+                    metadata = {**metadata, "best_validation": _number(validation), "best_step": outer_step}
+                log(f"outer step {outer_step} (phase {config.phase(outer_step)}): validation geomean "
+                    f"{validation:.4f}, best {best:.4f}")
+            due = time.monotonic() - last_save >= checkpoint_every_seconds
+            if outer_step % checkpoint_every_steps == 0 or due:
+                metadata = snapshot()
+                _save(run_dir, state, metadata)
+                last_save, saved_step, meta_losses = time.monotonic(), outer_step, []
+        if saved_step != outer_step:
             metadata = snapshot()
             _save(run_dir, state, metadata)
-            last_save, saved_step, meta_losses = time.monotonic(), outer_step, []
-    if saved_step != outer_step:
-        metadata = snapshot()
-        _save(run_dir, state, metadata)
     return campaign, state, metadata
 
 

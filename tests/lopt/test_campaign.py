@@ -184,3 +184,25 @@ def test_a_resume_repairs_a_torn_log_line_and_adds_the_line_a_kill_cut_off(small
     _, _, metadata = run_campaign(run_dir, resume=True, stop_step=2, log=_quiet)
     assert metadata["outer_step"] == 2
     assert (run_dir / LOG_NAME).read_bytes() == (small_campaign / LOG_NAME).read_bytes()
+
+
+def test_sigterm_stops_the_campaign_at_a_step_boundary_with_its_state_saved(small_campaign, tmp_path):
+    """``kill -TERM`` (or Ctrl-C once) asks the loop to stop: it finishes the step it is in, saves it
+    and returns, so stopping a campaign by hand loses nothing."""
+    run_dir = tmp_path / "copy"
+    (run_dir / STATE_DIR).mkdir(parents=True)
+    for file in (small_campaign / STATE_DIR).iterdir():
+        (run_dir / STATE_DIR / file.name).write_bytes(file.read_bytes())
+    (run_dir / LOG_NAME).write_bytes((small_campaign / LOG_NAME).read_bytes())
+
+    def terminate_after_validation(line):
+        if "validation" in line:  # step 4: the first validation after the saved step 2
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    _, _, metadata = run_campaign(run_dir, resume=True, stop_step=100, checkpoint_every_steps=1000,
+                                  checkpoint_every_seconds=3600.0, log=terminate_after_validation)
+    assert metadata["outer_step"] == 4
+    assert CheckpointStore(run_dir / STATE_DIR, keep=None).latest() == 4
+    assert [r["outer_step"] for r in read_log(run_dir / LOG_NAME)] == [0, 1, 2, 4]
+    assert signal.getsignal(signal.SIGTERM) == before  # the campaign's handler is gone again
