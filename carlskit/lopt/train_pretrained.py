@@ -33,7 +33,8 @@ on held-out problems) runs in one process under ``nice``::
         --out carlskit/lopt/pretrained_mlp_lopt.npz        # only if held-out validation improves
 
 Its complete state is saved every ``--checkpoint-every-steps`` steps or ``--checkpoint-seconds``
-seconds; a killed run loses only the steps since its last save. ``--resume`` continues with the
+seconds; a killed run loses only the steps since its last save, and SIGTERM (or one Ctrl-C) stops
+it at the next step boundary, saved. ``--resume`` continues with the
 stored configuration (the options that set it are ignored then).
 """
 
