@@ -8,7 +8,7 @@ Harrison et al. 2022; VeLO's recipe):
 * **Tasks**: ``num_structures`` structures picked once (``seed``) from the meta-training family,
   each under Celo's weight-scale augmentation (:class:`RescaledTask`, scales log-uniform in
   ``[1/max_scale, max_scale]``, granularity cycling over ``granularities``), one PES state each.
-* **Estimator**: PES (:func:`carlskit.lopt.meta_training.make_pes_estimator`), truncations of
+* **Estimator**: PES (:func:`carlskit.lopt.meta_training.pes_gradient`), truncations of
   ``truncation_length`` steps in episodes of lengths log-uniform over
   ``[base_horizon, horizon_multiple * base_horizon]``.
 * **Meta-loss**: ``log(L / R)`` per antithetic member (:func:`mean_log_loss_ratio`): ``L`` the
@@ -17,8 +17,9 @@ Harrison et al. 2022; VeLO's recipe):
   constant cancels in an antithetic difference, so ``R`` sets the *value* (the logged meta-loss,
   0 = as good as tuned Adam), while the log makes every task's share of the gradient scale-free.
 * **Phases**: steps ``< scheduler_steps`` train only ``meta_params["scheduler"]``, later ones only
-  ``meta_params["correction"]``; each part has its own outer Adam state, and the frozen part's
-  parameters and state are not touched. (The PES perturbations still cover every meta-parameter.)
+  ``meta_params["correction"]``; each part has its own outer Adam state, the frozen part's
+  parameters and state are not touched, and PES does not perturb it (``perturbation_mask``), so its
+  estimate carries no noise from the frozen part.
 * **Validation** every ``validate_every_steps`` on held-out problems: the geometric mean over
   problems and horizon multiples of the final loss against tuned Adam's (floored at ``1e-3`` of the
   initial loss, issue 30's protocol), Adam's figures computed once; the best one is kept.
@@ -53,7 +54,7 @@ from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
 from carlskit._serialization import atomic_write, filesystem, unflatten_into
 from carlskit.checkpoints import CheckpointStore
-from carlskit.lopt._estimators import PESEstimator, antithetic_combine, make_pes_estimator
+from carlskit.lopt._estimators import antithetic_combine, pes_gradient, pes_init_state
 from carlskit.lopt._inner import mean_log_loss_ratio
 from carlskit.lopt._nominal import NominalAdamRule
 from carlskit.lopt._optimizer import WIDE_ADAM_LEARNING_RATES, LearnedOptimizer, final_loss, tuned_adam
@@ -177,11 +178,12 @@ class Campaign:
         self.tasks = tuple(RescaledTask(task, config.max_scale, grains[i % len(grains)]) if grains else task
                            for i, task in enumerate(self.base_tasks))
         self.validation = _validation_sets()[config.validation]()
-        self.estimators: list[PESEstimator] = [
-            make_pes_estimator(self.rule, task, num_tasks=config.num_tasks, horizon=config.horizon,
-                               truncation_length=config.truncation_length, std=config.std,
-                               min_horizon=config.base_horizon, devices=jax.local_devices()[:1])
-            for task in self.tasks]
+        # PES on one device, called directly: the phase's perturbation mask is a traced argument
+        self._pes = dict(rule=self.rule, num_tasks=config.num_tasks, horizon=config.horizon,
+                         truncation_length=config.truncation_length)
+        template = jax.eval_shape(self.rule.init_meta_params, jax.random.PRNGKey(0))
+        self.perturbation_masks = [{part: jax.tree.map(lambda _, on=float(part == trained): jnp.float32(on),
+                                                       template[part]) for part in PARTS} for trained in PARTS]
         self.outer_optimizer = optax.adam(config.meta_learning_rate)
         self._apply = jax.jit(self._update, static_argnames=("part",))
         # one program instead of op-by-op PES initialisation (seconds of small compilations)
@@ -200,7 +202,8 @@ class Campaign:
         pes_keys = jax.random.split(jax.random.fold_in(key, 1), len(self.tasks))
         return {"meta_params": meta_params, "best_meta_params": meta_params,
                 "outer_state": {part: self.outer_optimizer.init(meta_params[part]) for part in PARTS},
-                "pes": [estimator.init(meta_params, k) for estimator, k in zip(self.estimators, pes_keys)],
+                "pes": [pes_init_state(meta_params, k, task=task, **self._pes)
+                        for task, k in zip(self.tasks, pes_keys)],
                 "key": jax.random.fold_in(key, 2),
                 "baselines": jnp.asarray(baselines, jnp.float32),
                 "validation_baselines": jnp.asarray(validation_baselines, jnp.float32),
@@ -266,9 +269,12 @@ class Campaign:
         never applies such an estimate."""
         key = jax.random.fold_in(state["key"], outer_step)
         index = int(jax.random.randint(jax.random.fold_in(key, 0), (), 0, len(self.tasks)))
-        _, pes, metrics = self.estimators[index].gradient(state["meta_params"], jax.random.fold_in(key, 1),
-                                                          state["pes"][index])
-        part = PARTS[self.config.phase(outer_step) - 1]
+        phase = self.config.phase(outer_step)
+        _, pes, metrics = pes_gradient(state["meta_params"], jax.random.fold_in(key, 1), state["pes"][index],
+                                       task=self.tasks[index], std=self.config.std,
+                                       min_horizon=self.config.base_horizon,
+                                       perturbation_mask=self.perturbation_masks[phase - 1], **self._pes)
+        part = PARTS[phase - 1]
         meta_params, outer_state, meta_loss = self._apply(state["meta_params"], state["outer_state"],
                                                           metrics["pair_losses"], pes.accumulated_eps,
                                                           state["baselines"][index], part=part)
