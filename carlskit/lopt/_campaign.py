@@ -29,30 +29,30 @@ meta-parameters, Adam's baselines) is a pytree saved with :class:`carlskit.Check
 checksummed; version = outer step) every ``checkpoint_every_steps`` steps or ``checkpoint_every_seconds``;
 its JSON metadata holds the step, phase, CPU-seconds and validation figures. After each save one
 JSON line goes to ``campaign_log.jsonl`` (one ``write`` on an ``O_APPEND`` descriptor, fsync'd; a
-resume repairs a torn last line and adds the line of a save the kill cut off).
+resume repairs a torn last line and adds the line of a save the kill cut off). The log, the stop
+requests (SIGINT / SIGTERM) and the CPU clock are :mod:`carlskit._campaign`'s, shared with the
+translator's campaign.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
 import os
 import pathlib
-import signal
-import threading
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
+from carlskit._campaign import LOG_NAME, CampaignClock, append_log_line, repair_log, stop_requests
 from carlskit._checks import integer, positive_float, positive_int
 from carlskit._errors import CorruptFileError
-from carlskit._serialization import atomic_write, filesystem, unflatten_into
+from carlskit._serialization import unflatten_into
 from carlskit.checkpoints import CheckpointStore
 from carlskit.lopt._estimators import antithetic_combine, pes_gradient, pes_init_state
 from carlskit.lopt._inner import mean_log_loss_ratio
@@ -70,7 +70,6 @@ from carlskit.lopt._tasks import (
 
 PyTree = Any
 PARTS = ("scheduler", "correction")  # trained in this order: phase 1, phase 2
-LOG_NAME = "campaign_log.jsonl"
 STATE_DIR = "state"
 FLOOR_FRACTION = 1e-3
 
@@ -324,67 +323,12 @@ def _save(run_dir: pathlib.Path, state: dict[str, Any], metadata: dict[str, Any]
     append_log_line(run_dir / LOG_NAME, metadata["log"])
 
 
-def append_log_line(path: pathlib.Path, record: dict[str, Any]) -> None:
-    """One JSON line appended by a single ``write`` on an ``O_APPEND`` descriptor, then fsync'd: a
-    kill leaves the previous lines whole (at worst a torn last line, which :func:`read_log` drops)."""
-    line = (json.dumps(record, sort_keys=True, allow_nan=False) + "\n").encode()
-    descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(descriptor, line)
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
-def read_log(path: str | os.PathLike) -> list[dict[str, Any]]:
-    """The campaign log's records; a last line without its newline (a torn write) is left out."""
-    path = pathlib.Path(path)
-    if not path.exists():
-        return []
-    lines = path.read_bytes().split(b"\n")
-    return [json.loads(line) for line in lines[:-1] if line.strip()]
-
-
-def _repair_log(run_dir: pathlib.Path, metadata: dict[str, Any]) -> None:
-    """Make the log end with the loaded state's line: drop a torn line and lines of later steps (a
-    state since moved away), add the line a kill between the save and the append cut off."""
-    path = run_dir / LOG_NAME
-    records = [r for r in read_log(path) if r["outer_step"] <= metadata["outer_step"]]
-    if not records or records[-1]["outer_step"] != metadata["outer_step"]:
-        records.append(metadata["log"])
-    data = b"".join((json.dumps(r, sort_keys=True, allow_nan=False) + "\n").encode() for r in records)
-    if not path.exists() or path.read_bytes() != data:
-        atomic_write(*filesystem(path), data)
-
-
 def _number(value: float) -> float | None:
     value = float(value)
     return value if math.isfinite(value) else None
 
 
 # ---------------------------------------------------------------------------------------- the loop
-@contextlib.contextmanager
-def _stop_requests() -> Iterator[Callable[[], bool]]:
-    """While inside, the first SIGINT or SIGTERM (main thread only) asks the loop to stop at the next
-    step boundary, where it saves; a second SIGINT interrupts at once. Handlers restored on exit."""
-    requested = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield requested.is_set
-        return
-
-    def handle(signum, frame):
-        if requested.is_set() and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        requested.set()
-
-    previous = {number: signal.signal(number, handle) for number in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield requested.is_set
-    finally:
-        for number, handler in previous.items():
-            signal.signal(number, handler)
-
-
 def run_campaign(run_dir: str | os.PathLike, config: CampaignConfig | None = None, *, resume: bool = False,
                  stop_step: int | None = None, minutes: float | None = None, checkpoint_every_steps: int = 100,
                  checkpoint_every_seconds: float = 300.0, log: Callable[[str], None] = print
@@ -396,10 +340,10 @@ def run_campaign(run_dir: str | os.PathLike, config: CampaignConfig | None = Non
     run_dir = pathlib.Path(run_dir)
     checkpoint_every_steps = positive_int(checkpoint_every_steps, "checkpoint_every_steps")
     checkpoint_every_seconds = positive_float(checkpoint_every_seconds, "checkpoint_every_seconds")
-    began, cpu_began = time.monotonic(), time.process_time()
+    clock = CampaignClock()  # this run, from its start (the baselines of a new campaign count)
     if resume:
         campaign, state, metadata = load_state(run_dir)
-        _repair_log(run_dir, metadata)
+        repair_log(run_dir / LOG_NAME, metadata["outer_step"], metadata["log"], key="outer_step")
         log(f"resumed at outer step {metadata['outer_step']} (phase {metadata['phase']})")
     else:
         if _store(run_dir).versions():
@@ -419,8 +363,8 @@ def run_campaign(run_dir: str | os.PathLike, config: CampaignConfig | None = Non
     meta_losses: list[float] = []
 
     def snapshot() -> dict[str, Any]:
-        cpu = round(cpu_before + time.process_time() - cpu_began, 3)
-        wall = round(wall_before + time.monotonic() - began, 3)
+        cpu = round(cpu_before + clock.cpu_seconds, 3)
+        wall = round(wall_before + clock.wall_seconds, 3)
         record = {"outer_step": outer_step, "phase": config.phase(outer_step), "cpu_seconds": cpu,
                   "validation_geomean": metadata["validation"], "best_validation_geomean": metadata["best_validation"],
                   "best_step": metadata["best_step"],
@@ -430,10 +374,11 @@ def run_campaign(run_dir: str | os.PathLike, config: CampaignConfig | None = Non
 
     if not resume:
         _save(run_dir, state, snapshot())
-    deadline = math.inf if minutes is None else began + 60.0 * minutes
+    budget_seconds = math.inf if minutes is None else 60.0 * minutes
     last_save, saved_step = time.monotonic(), outer_step
-    with _stop_requests() as stop_requested:
-        while (stop_step is None or outer_step < stop_step) and time.monotonic() < deadline and not stop_requested():
+    with stop_requests() as stop_requested:
+        while (stop_step is None or outer_step < stop_step) and clock.running_for() < budget_seconds \
+                and not stop_requested():
             state, meta_loss = campaign.step(state, outer_step)
             outer_step += 1
             meta_losses.append(meta_loss)

@@ -17,9 +17,10 @@ import numpy as np
 import pytest
 
 from carlskit import CorruptFileError
+from carlskit._campaign import LOG_NAME, read_log
 from carlskit.checkpoints import CheckpointStore
 from carlskit.lopt import LearnedOptimizer, NominalAdamRule
-from carlskit.lopt._campaign import LOG_NAME, STATE_DIR, Campaign, load_state, read_log, run_campaign, ship
+from carlskit.lopt._campaign import STATE_DIR, Campaign, load_state, run_campaign, ship
 from carlskit.lopt.train_pretrained import campaign_config, main, parse_args
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
