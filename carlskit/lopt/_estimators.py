@@ -41,10 +41,12 @@ from carlskit.lopt._protocols import Task, UpdateRule
 PyTree = Any
 
 
-def _sample_perturbations(key: jax.Array, meta_params: PyTree, num: int) -> PyTree:
+def _sample_perturbations(key: jax.Array, meta_params: PyTree, num: int, mask: PyTree | None = None) -> PyTree:
+    """``num`` standard normal draws per leaf; times ``mask``'s leaf (a 0/1 scalar) where given."""
     leaves, treedef = jax.tree.flatten(meta_params)
     keys = jax.random.split(key, len(leaves))
-    return treedef.unflatten([jax.random.normal(k, (num, *jnp.shape(x)), jnp.float32) for k, x in zip(keys, leaves)])
+    eps = treedef.unflatten([jax.random.normal(k, (num, *jnp.shape(x)), jnp.float32) for k, x in zip(keys, leaves)])
+    return eps if mask is None else jax.tree.map(lambda e, m: e * jnp.asarray(m, jnp.float32), eps, mask)
 
 
 def _pair_params(meta_params: PyTree, eps: PyTree, std: float) -> PyTree:
@@ -162,8 +164,8 @@ def sample_horizons(key: jax.Array, num_tasks: int, min_horizon: int, horizon: i
                                              "std", "aggregation", "min_horizon"))
 def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: UpdateRule, task: Task,
                  num_tasks: int, horizon: int, truncation_length: int, std: float = 0.01,
-                 aggregation: str = "mean", time_scale: float = 1.0, min_horizon: int | None = None
-                 ) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
+                 aggregation: str = "mean", time_scale: float = 1.0, min_horizon: int | None = None,
+                 perturbation_mask: PyTree | None = None) -> tuple[PyTree, PESState, dict[str, jax.Array]]:
     """One PES outer step: restart finished tasks, unroll each pair ``truncation_length`` steps,
     return ``(grad, new_state, metrics)``.
 
@@ -171,7 +173,12 @@ def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: 
     ``[min_horizon, horizon]`` (:func:`sample_horizons`; Metz et al. 2020 and VeLO sample the
     unroll length per task, so the rule's time features see many run lengths); ``None``: always
     ``horizon``. The length is drawn at a restart, independent of the meta-parameters, so the
-    estimate stays unbiased across truncations as PES's is."""
+    estimate stays unbiased across truncations as PES's is.
+
+    ``perturbation_mask``: a pytree like ``meta_params`` of 0/1 scalars (traced: changing it does not
+    recompile); meta-parameters under a 0 are not perturbed, so their gradient is 0 and the others'
+    estimate carries no noise from them (a meta-training phase that freezes part of the rule, as
+    Celo's two phases; issue 41). ``None``: every meta-parameter is perturbed."""
     if horizon % truncation_length:
         raise ValueError(f"horizon ({horizon}) must be a multiple of truncation_length ({truncation_length})")
     reset_key, eps_key = jax.random.split(key)
@@ -186,7 +193,7 @@ def pes_gradient(meta_params: PyTree, key: jax.Array, state: PESState, *, rule: 
         jax.random.fold_in(reset_key, 7), num_tasks, min_horizon, horizon, truncation_length)
     episode_end = jnp.where(reset, new_end, state.episode_end)
 
-    eps = _sample_perturbations(eps_key, meta_params, num_tasks)
+    eps = _sample_perturbations(eps_key, meta_params, num_tasks, perturbation_mask)
     acc = jax.tree.map(lambda a, e: a + e, acc, eps)
 
     def member(theta, inner_state, task_key, tp, length):

@@ -22,6 +22,20 @@ What it does:
    (inside the one checksummed ``.npz``, so it cannot drift from the weights): the command, config,
    compute (wall seconds, CPU-seconds, outer steps, gradients), the evaluation of every checkpoint
    (final and mean losses per task set; whole curves of the chosen one), and the comparison table.
+
+The resumable campaign of issue 41 (:mod:`carlskit.lopt._campaign`: ``NominalAdamRule``, PES over
+sampled horizons up to 5x, weight-scale augmentation, log-ratio to tuned Adam, two phases, validation
+on held-out problems) runs in one process under ``nice``::
+
+    python -m carlskit.lopt.train_pretrained --campaign --run-dir lopt_campaign --minutes 60   # start
+    python -m carlskit.lopt.train_pretrained --resume --run-dir lopt_campaign --minutes 60     # continue
+    python -m carlskit.lopt.train_pretrained --ship --run-dir lopt_campaign \
+        --out carlskit/lopt/pretrained_mlp_lopt.npz        # only if held-out validation improves
+
+Its complete state is saved every ``--checkpoint-every-steps`` steps or ``--checkpoint-seconds``
+seconds; a killed run loses only the steps since its last save, and SIGTERM (or one Ctrl-C) stops
+it at the next step boundary, saved. ``--resume`` continues with the
+stored configuration (the options that set it are ignored then).
 """
 
 from __future__ import annotations
@@ -45,8 +59,17 @@ def _number(value: float) -> float | None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="file to write (.npz appended unless given)")
-    parser.add_argument("--run-dir", default=None, help="MetaTraining directory (default: a temporary one)")
+    parser.add_argument("--out", default=None, help="file to write (.npz appended unless given)")
+    parser.add_argument("--run-dir", default=None,
+                        help="MetaTraining directory (default: a temporary one; campaign: lopt_campaign)")
+    parser.add_argument("--campaign", action="store_true", help="start issue 41's resumable campaign in --run-dir")
+    parser.add_argument("--resume", action="store_true", help="continue the campaign saved in --run-dir")
+    parser.add_argument("--ship", action="store_true",
+                        help="write the campaign's best rule to --out if its held-out validation beats that file's")
+    parser.add_argument("--checkpoint-every-steps", type=int, default=100, help="campaign: save every this many steps")
+    parser.add_argument("--scheduler-steps", type=int, default=1000,
+                        help="campaign: outer steps of phase 1 (scheduler only) before phase 2 (correction only)")
+    parser.add_argument("--validate-every", type=int, default=50, help="campaign: validation period in outer steps")
     parser.add_argument("--address", default=None, help="a Dask scheduler to use instead of an embedded cluster")
     parser.add_argument("--minutes", type=float, default=45.0, help="meta-training wall-clock budget")
     parser.add_argument("--outer-steps", type=int, default=100_000, help="stop earlier at this outer step")
@@ -58,7 +81,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--initial-learning-rate", type=float, default=3e-3, help="the untrained rule's Adam step")
     parser.add_argument("--checkpoint-seconds", type=float, default=180.0)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--family", choices=("shipped", "wide"), default="shipped",
+    parser.add_argument("--family", choices=("shipped", "wide"), default=None,
                         help="meta-training distribution: meta_training_family() or wide_meta_training_family()")
     parser.add_argument("--estimator", choices=("es", "pes"), default="es", help="full-unroll ES or truncated PES")
     parser.add_argument("--truncation", type=int, default=50, help="PES: inner steps per estimate")
@@ -71,17 +94,64 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--small", action="store_true",
                         help="a smoke run (tests): 1 ES worker, 20-step trainings, 2 pairs, 2 held-out problems")
     args = parser.parse_args(argv)
+    args.campaign_mode = args.campaign or args.resume or args.ship
+    if args.campaign_mode:
+        args.run_dir = args.run_dir or "lopt_campaign"
+        if args.ship and not args.out:
+            parser.error("--ship needs --out (the file to replace)")
+        return args
+    if args.out is None:
+        parser.error("--out is required (except with --campaign, --resume)")
+    args.family = args.family or "shipped"
     if args.small:
         args.workers, args.horizon, args.num_tasks, args.compare_instances = 1, 20, 2, 2
         args.checkpoint_seconds = min(args.checkpoint_seconds, 5.0)
     return args
 
 
+def campaign_config(args: argparse.Namespace):
+    """The :class:`~carlskit.lopt._campaign.CampaignConfig` the options describe (``--small``: a
+    smoke-sized one on quadratics, for tests)."""
+    from carlskit.lopt._campaign import CampaignConfig
+
+    if args.small:
+        return CampaignConfig(seed=args.seed, family="quadratic", num_structures=1, granularities=("tensor",),
+                              base_horizon=20, horizon_multiple=2, truncation_length=10, num_tasks=2, std=args.std,
+                              meta_learning_rate=args.meta_learning_rate, scheduler_steps=args.scheduler_steps,
+                              validation="quadratic", validation_multiples=(1,),
+                              validate_every_steps=args.validate_every, baseline_instances=2,
+                              adam_learning_rates=(1e-2, 1e-1, 3e-1))
+    return CampaignConfig(seed=args.seed, family=args.family or "wide", base_horizon=args.horizon,
+                          truncation_length=args.truncation, num_tasks=args.num_tasks, std=args.std,
+                          meta_learning_rate=args.meta_learning_rate, scheduler_steps=args.scheduler_steps,
+                          validate_every_steps=args.validate_every)
+
+
+def campaign_main(args: argparse.Namespace, command: str) -> int:
+    """``--campaign`` / ``--resume`` / ``--ship``: see the module docstring."""
+    from carlskit.lopt._campaign import run_campaign, ship
+
+    if args.campaign or args.resume:
+        _, _, metadata = run_campaign(args.run_dir, None if args.resume else campaign_config(args),
+                                      resume=args.resume, stop_step=args.outer_steps, minutes=args.minutes,
+                                      checkpoint_every_steps=args.checkpoint_every_steps,
+                                      checkpoint_every_seconds=args.checkpoint_seconds,
+                                      log=lambda line: print(line, flush=True))
+        print(f"saved outer step {metadata['outer_step']}: best validation geomean {metadata['best_validation']} "
+              f"(step {metadata['best_step']}), {metadata['cpu_seconds'] / 3600:.3f} CPU-hours", flush=True)
+    if args.ship:
+        ship(args.run_dir, args.out, command, log=lambda line: print(line, flush=True))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    # Compiled inner trainings are shared by the ES and evaluation workers (and later runs).
+    # Compiled inner trainings are shared by the ES and evaluation workers (and later runs, resumes).
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(pathlib.Path(tempfile.gettempdir()) / "carlskit-jax-cache"))
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1")
+    if args.campaign_mode:
+        return campaign_main(args, "python -m carlskit.lopt.train_pretrained "
+                             + " ".join(sys.argv[1:] if argv is None else argv))
 
     import jax
     import optax

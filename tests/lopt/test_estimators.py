@@ -11,6 +11,8 @@ from carlskit.lopt import (
     full_es_gradient,
     make_full_es_estimator,
     make_pes_estimator,
+    pes_gradient,
+    pes_init_state,
     train_task,
 )
 
@@ -217,3 +219,20 @@ def test_pes_with_sampled_horizons_restarts_episodes_of_log_uniform_lengths():
     assert len(ends) >= 3 and max(ends) <= 40
     with pytest.raises(ValueError, match="min_horizon"):
         make_pes_estimator(rule, task, num_tasks=2, horizon=10, truncation_length=5, min_horizon=20)
+
+
+def test_pes_perturbation_mask_freezes_the_masked_meta_parameters_and_keeps_the_others_draws():
+    """``perturbation_mask`` (issue 41's two phases): a leaf under 0 gets no noise, so its gradient
+    and accumulated noise are exactly 0; the leaves under 1 see the very draws of the unmasked
+    estimator (same keys)."""
+    rule = LearnableAdamRule(initial_learning_rate=0.05)
+    meta_params = rule.init_meta_params()
+    names = sorted(meta_params)
+    mask = {name: jnp.float32(name != names[0]) for name in names}
+    config = dict(rule=rule, task=QUADRATIC, num_tasks=3, horizon=20, truncation_length=10, std=0.01)
+    state = pes_init_state(meta_params, jax.random.PRNGKey(0), **{k: v for k, v in config.items() if k != "std"})
+    grad, masked, _ = pes_gradient(meta_params, jax.random.PRNGKey(1), state, perturbation_mask=mask, **config)
+    _, unmasked, _ = pes_gradient(meta_params, jax.random.PRNGKey(1), state, **config)
+    assert not np.any(np.asarray(grad[names[0]])) and not np.any(np.asarray(masked.accumulated_eps[names[0]]))
+    for name in names[1:]:
+        np.testing.assert_array_equal(masked.accumulated_eps[name], unmasked.accumulated_eps[name])

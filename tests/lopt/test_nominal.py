@@ -45,13 +45,25 @@ def test_untrained_nominal_adam_is_optax_adam_under_its_default_schedule(schedul
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_the_default_untrained_rule_is_adam_with_a_linear_decay_from_3e_2():
+    """The defaults a campaign starts from (chosen by a sweep on the meta-training family, see the
+    class docstring): optax.adam(optax.linear_schedule(3e-2, 0, num_steps))."""
+    rule, num_steps = NominalAdamRule(), 8
+    assert (rule.learning_rate, rule.schedule) == (3e-2, "linear")
+    ours = _run(LearnedOptimizer(rule, rule.init_meta_params(jax.random.PRNGKey(0))).as_optax(num_steps=num_steps),
+                num_steps, pass_value=True)
+    reference = _run(optax.adam(optax.linear_schedule(3e-2, 0.0, num_steps)), num_steps, pass_value=False)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_inner_loop_gives_the_rule_the_real_loss_and_the_run_length():
     """Through the inner loop (train_curves: vmapped unrolls) the untrained rule's losses are
-    optax's cosine-decayed Adam's on the same instances; the loss statistics saw every real loss."""
+    optax's linearly decayed Adam's on the same instances; the loss statistics saw every real loss."""
     rule, task, num_steps = NominalAdamRule(learning_rate=5e-2), QuadraticTask(6, noise_std=0.1), 12
     theta = rule.init_meta_params(jax.random.PRNGKey(1))
     ours = LearnedOptimizer(rule, theta).train_curves(task, num_steps, num_tasks=2, seed=3)
-    reference = optax_train_curves(optax.adam(optax.cosine_decay_schedule(5e-2, num_steps)), task, num_steps,
+    reference = optax_train_curves(optax.adam(optax.linear_schedule(5e-2, 0.0, num_steps)), task, num_steps,
                                    num_tasks=2, seed=3)
     np.testing.assert_allclose(ours, reference, rtol=1e-5, atol=1e-6)
     assert ours[:, -1].mean() < 0.9 * ours[:, 0].mean()  # it trains
