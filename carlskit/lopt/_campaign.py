@@ -6,6 +6,7 @@ state at every later step as a run never interrupted. What it trains (Celo, Moud
 Harrison et al. 2022; VeLO's recipe):
 
 * **Tasks**: ``num_structures`` structures picked once (``seed``) from the meta-training family,
+  from each component of its mixture by weight (:func:`pick_structures`),
   each under Celo's weight-scale augmentation (:class:`RescaledTask`, scales log-uniform in
   ``[1/max_scale, max_scale]``, granularity cycling over ``granularities``), one PES state each.
 * **Estimator**: PES (:func:`carlskit.lopt.meta_training.pes_gradient`), truncations of
@@ -42,7 +43,7 @@ import math
 import os
 import pathlib
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,12 +75,38 @@ STATE_DIR = "state"
 FLOOR_FRACTION = 1e-3
 
 
-def _families() -> dict[str, Callable[[], tuple[Task, ...]]]:
-    def wide() -> tuple[Task, ...]:  # the structures under RescaledFamily (we rescale them ourselves)
-        return wide_meta_training_family().family.tasks()
+def _families() -> dict[str, Callable[[], tuple[tuple[float, tuple[Task, ...]], ...]]]:
+    """Each family's structures as ``(weight, structures)`` per component of its mixture."""
+    def wide():  # the structures under RescaledFamily (we rescale them ourselves)
+        mixture = wide_meta_training_family().family
+        return tuple((w, f.tasks()) for w, f in zip(mixture.weights, mixture.families))
 
-    return {"wide": wide, "shipped": lambda: meta_training_family().tasks(),
-            "quadratic": lambda: (QuadraticTask(4, 10.0, 0.1), QuadraticTask(6, 30.0, 0.1))}
+    return {"wide": wide, "shipped": lambda: ((1.0, meta_training_family().tasks()),),
+            "quadratic": lambda: ((1.0, (QuadraticTask(4, 10.0, 0.1), QuadraticTask(6, 30.0, 0.1))),)}
+
+
+def pick_structures(components: Sequence[tuple[float, Sequence[Task]]], count: int, seed: int) -> tuple[Task, ...]:
+    """``count`` structures, from each component of a mixture in proportion to its weight (largest
+    remainders; every component at least one while ``count`` allows), at random within it: drawn
+    uniformly from all structures, a mixture of 108 MLPs, 12 regressions and 3 quadratics gave
+    MLPs only."""
+    rng = np.random.default_rng(seed)
+    sizes = np.asarray([len(tasks) for _, tasks in components])
+    count = min(count, int(sizes.sum()))
+    weights = np.asarray([w for w, _ in components], np.float64)
+    share = count * weights / weights.sum()
+    taken = np.minimum(np.floor(share).astype(int), sizes)
+    if count >= len(components):
+        taken = np.maximum(taken, np.minimum(1, sizes))
+    while taken.sum() > count:  # the minimum of one pushed it over: take back where most over its share
+        taken[int(np.argmax(np.where(taken > 1, taken - share, -np.inf)))] -= 1
+    while taken.sum() < count:
+        room = np.where(taken < sizes, share - taken, -np.inf)
+        taken[int(np.argmax(room))] += 1
+    picked = []
+    for (_, tasks), n in zip(components, taken):
+        picked += [tasks[int(i)] for i in sorted(rng.choice(len(tasks), int(n), replace=False))]
+    return tuple(picked)
 
 
 def _validation_sets() -> dict[str, Callable[[], dict[str, Task]]]:
@@ -169,10 +196,7 @@ class Campaign:
     def __init__(self, config: CampaignConfig) -> None:
         self.config = config
         self.rule = rule_from_config(config.rule)
-        base = _families()[config.family]()
-        picked = np.random.default_rng(config.seed).choice(len(base), min(config.num_structures, len(base)),
-                                                           replace=False)
-        self.base_tasks = tuple(base[int(i)] for i in sorted(picked))
+        self.base_tasks = pick_structures(_families()[config.family](), config.num_structures, config.seed)
         grains = config.granularities
         self.tasks = tuple(RescaledTask(task, config.max_scale, grains[i % len(grains)]) if grains else task
                            for i, task in enumerate(self.base_tasks))

@@ -224,3 +224,17 @@ def test_sigterm_stops_the_campaign_at_a_step_boundary_with_its_state_saved(smal
     assert CheckpointStore(run_dir / STATE_DIR, keep=None).latest() == 4
     assert [r["outer_step"] for r in read_log(run_dir / LOG_NAME)] == [0, 1, 2, 4]
     assert signal.getsignal(signal.SIGTERM) == before  # the campaign's handler is gone again
+
+
+def test_structures_are_picked_from_every_component_of_the_mixture_by_weight():
+    from carlskit.lopt._campaign import _families, pick_structures
+
+    components = _families()["wide"]()  # 108 MLPs (weight 3), 12 regressions (1), 3 quadratics (0.5)
+    kinds = [type(t).__name__ for t in pick_structures(components, 8, 0)]
+    assert kinds.count("MLPTask") == 5 and kinds.count("LinearRegressionTask") == 2 \
+        and kinds.count("QuadraticTask") == 1
+    assert len(set(pick_structures(components, 8, 0))) == 8 and pick_structures(components, 8, 0) \
+        == pick_structures(components, 8, 0)
+    assert [type(t).__name__ for t in pick_structures(components, 3, 1)] == \
+        ["MLPTask", "LinearRegressionTask", "QuadraticTask"]  # each at least once while the count allows
+    assert len(pick_structures(_families()["quadratic"](), 8, 0)) == 2  # no more than there are

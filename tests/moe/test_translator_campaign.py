@@ -35,7 +35,8 @@ def quiet(line: str) -> None:
 
 
 def test_a_campaign_resumed_midway_ends_where_the_uninterrupted_one_does(tmp_path):
-    _, straight, straight_log = run_translator_campaign(tmp_path / "a", TranslatorConfig(**TINY), stop_step=6, log=quiet)
+    _, straight, straight_log = run_translator_campaign(tmp_path / "a", TranslatorConfig(**TINY), stop_step=6,
+                                                        log=quiet)
     run_translator_campaign(tmp_path / "b", TranslatorConfig(**TINY), stop_step=3, log=quiet)
     assert [r["step"] for r in read_log(tmp_path / "b" / LOG_NAME)] == [0, 3]
     _, resumed, resumed_log = run_translator_campaign(tmp_path / "b", resume=True, stop_step=6, log=quiet)

@@ -154,9 +154,9 @@ def run(loss, mode):
             "seen_mean": np.asarray(trainer.model.seen_mean.value).tolist(), "all_reduce_operands": operands}
 
 
+losses = (("mean", mean_loss), ("coupled", coupled_loss))
 print(json.dumps({"devices": jax.device_count(),
-                  **{f"{name}_{mode}": run(loss, mode) for name, loss in (("mean", mean_loss), ("coupled", coupled_loss))
-                     for mode in ("global", "local")}}))
+                  **{f"{name}_{mode}": run(loss, mode) for name, loss in losses for mode in ("global", "local")}}))
 """
 
 
