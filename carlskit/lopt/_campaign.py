@@ -14,7 +14,9 @@ Harrison et al. 2022; VeLO's recipe):
   ``[base_horizon, horizon_multiple * base_horizon]``.
 * **Meta-loss**: ``log(L / R)`` per antithetic member (:func:`mean_log_loss_ratio`): ``L`` the
   truncation's mean training loss, ``R`` tuned Adam's final loss on that structure at
-  ``base_horizon``, computed once when the campaign starts and kept in its state. A per-task
+  ``base_horizon``, computed once when the campaign starts and kept in its state with the
+  structure's initial loss: both ``L`` and ``R`` are floored at ``1e-3`` of it (a structure tuned
+  Adam solves to 0 would give an infinite ratio and no gradient). A per-task
   constant cancels in an antithetic difference, so ``R`` sets the *value* (the logged meta-loss,
   0 = as good as tuned Adam), while the log makes every task's share of the gradient scale-free.
 * **Phases**: steps ``< scheduler_steps`` train only ``meta_params["scheduler"]``, later ones only
@@ -213,13 +215,14 @@ class Campaign:
         self._initial_state = jax.jit(self._initial_state_eager)
 
     # ------------------------------------------------------------------ state
-    def initial_state(self, baselines: np.ndarray, validation_baselines: np.ndarray,
+    def initial_state(self, baselines: np.ndarray, initial_losses: np.ndarray, validation_baselines: np.ndarray,
                       validation_initial: np.ndarray) -> dict[str, Any]:
         """Step 0's state: the untrained rule (Adam under its default schedule), fresh PES states."""
-        return self._initial_state(jnp.asarray(baselines, jnp.float32), jnp.asarray(validation_baselines, jnp.float32),
-                                   jnp.asarray(validation_initial, jnp.float32))
+        return self._initial_state(*(jnp.asarray(a, jnp.float32) for a in (baselines, initial_losses,
+                                                                           validation_baselines, validation_initial)))
 
-    def _initial_state_eager(self, baselines, validation_baselines, validation_initial) -> dict[str, Any]:
+    def _initial_state_eager(self, baselines, initial_losses, validation_baselines, validation_initial
+                             ) -> dict[str, Any]:
         key = jax.random.PRNGKey(self.config.seed)
         meta_params = self.rule.init_meta_params(jax.random.fold_in(key, 0))
         pes_keys = jax.random.split(jax.random.fold_in(key, 1), len(self.tasks))
@@ -229,14 +232,15 @@ class Campaign:
                         for task, k in zip(self.tasks, pes_keys)],
                 "key": jax.random.fold_in(key, 2),
                 "baselines": jnp.asarray(baselines, jnp.float32),
+                "initial_losses": jnp.asarray(initial_losses, jnp.float32),
                 "validation_baselines": jnp.asarray(validation_baselines, jnp.float32),
                 "validation_initial": jnp.asarray(validation_initial, jnp.float32)}
 
     def state_template(self) -> PyTree:
         """Shapes and dtypes of :meth:`initial_state` (nothing computed): the target a resume loads into."""
         num_validation = len(self.validation) * len(self.config.validation_multiples)
-        return jax.eval_shape(lambda: self._initial_state_eager(np.ones(len(self.tasks)), np.ones(num_validation),
-                                                                np.ones(num_validation)))
+        return jax.eval_shape(lambda: self._initial_state_eager(np.ones(len(self.tasks)), np.ones(len(self.tasks)),
+                                                                np.ones(num_validation), np.ones(num_validation)))
 
     # ------------------------------------------------------------------ baselines
     def adam_reference(self, task: Task, num_steps: int, seed: int) -> tuple[float, float]:
@@ -248,14 +252,13 @@ class Campaign:
         curves = curves[int(np.flatnonzero(rates == rate)[0])]
         return final_loss(curves), float(np.mean(curves[:, 0]))
 
-    def baselines(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Tuned Adam's final loss per meta-training structure (unscaled, at ``base_horizon``), and per
-        validation problem and multiple its final and initial loss. Computed once per campaign."""
-        train = [self.adam_reference(task, self.config.base_horizon, 2000)[0] for task in self.base_tasks]
+    def baselines(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Tuned Adam's final and initial loss per meta-training structure (unscaled, at
+        ``base_horizon``), and per validation problem and multiple. Computed once per campaign."""
+        train = [self.adam_reference(task, self.config.base_horizon, 2000) for task in self.base_tasks]
         validation = [self.adam_reference(task, self.config.base_horizon * m, 3000)
                       for task in self.validation.values() for m in self.config.validation_multiples]
-        return (np.asarray(train, np.float32), np.asarray([v[0] for v in validation], np.float32),
-                np.asarray([v[1] for v in validation], np.float32))
+        return tuple(np.asarray([r[i] for r in rows], np.float32) for rows in (train, validation) for i in (0, 1))
 
     def validate(self, meta_params: PyTree, state: dict[str, Any]) -> float:
         """Geometric mean over validation problems and multiples of final loss / tuned Adam's (floored)."""
@@ -269,18 +272,22 @@ class Campaign:
 
     # ------------------------------------------------------------------ one outer step
     def meta_loss_gradient(self, meta_params: PyTree, pair_losses: jax.Array, accumulated_eps: PyTree,
-                           baseline: jax.Array) -> tuple[PyTree, jax.Array]:
-        """PES gradient of ``log(L / R)`` per member and its mean (the meta-loss) over valid pairs."""
+                           baseline: jax.Array, initial_loss: jax.Array | None = None) -> tuple[PyTree, jax.Array]:
+        """PES gradient of ``log(L / R)`` per member and its mean (the meta-loss) over valid pairs;
+        with ``initial_loss``, both floored at ``1e-3`` of it (issue 30's protocol: a structure that
+        tuned Adam solves to 0 would otherwise give ``log(L / 0)``, an infinite loss on both sides of
+        every antithetic pair, and no gradient)."""
         reference = jnp.broadcast_to(baseline, (1,))
-        ratios = jax.vmap(jax.vmap(lambda loss: mean_log_loss_ratio(jnp.maximum(loss, 1e-30)[None], reference)))(
-            pair_losses)
+        initial = None if initial_loss is None else jnp.broadcast_to(initial_loss, (1,))
+        ratios = jax.vmap(jax.vmap(lambda loss: mean_log_loss_ratio(jnp.maximum(loss, 1e-30)[None], reference,
+                                                                    initial, FLOOR_FRACTION)))(pair_losses)
         grad, valid = antithetic_combine(ratios, accumulated_eps, self.config.std)
         meta_loss = jnp.sum(jnp.where(valid[:, None], ratios, 0.0)) / jnp.maximum(2 * jnp.sum(valid), 1)
         return grad, jnp.where(jnp.any(valid), meta_loss, jnp.nan)
 
-    def _update(self, meta_params, outer_state, pair_losses, accumulated_eps, baseline, *, part):
+    def _update(self, meta_params, outer_state, pair_losses, accumulated_eps, baseline, initial_loss, *, part):
         """The meta-loss's gradient through the outer Adam of ``part``; the other part is untouched."""
-        grad, meta_loss = self.meta_loss_gradient(meta_params, pair_losses, accumulated_eps, baseline)
+        grad, meta_loss = self.meta_loss_gradient(meta_params, pair_losses, accumulated_eps, baseline, initial_loss)
         updates, part_state = self.outer_optimizer.update(grad[part], outer_state[part], meta_params[part])
         return ({**meta_params, part: optax.apply_updates(meta_params[part], updates)},
                 {**outer_state, part: part_state}, meta_loss)
@@ -300,7 +307,8 @@ class Campaign:
         part = PARTS[phase - 1]
         meta_params, outer_state, meta_loss = self._apply(state["meta_params"], state["outer_state"],
                                                           metrics["pair_losses"], pes.accumulated_eps,
-                                                          state["baselines"][index], part=part)
+                                                          state["baselines"][index], state["initial_losses"][index],
+                                                          part=part)
         if not np.isfinite(float(meta_loss)):  # every pair diverged: no information, nothing applied
             meta_params, outer_state = state["meta_params"], state["outer_state"]
         if not all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree.leaves(meta_params)):

@@ -146,6 +146,22 @@ def test_meta_loss_is_the_log_ratio_to_the_stored_tuned_adam_baseline(small_camp
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)  # the same up to float rounding
 
 
+def test_a_structure_tuned_adam_solves_to_zero_still_gives_a_gradient(small_campaign):
+    """Tuned Adam reached a final loss of exactly 0 on one regression structure of the wide family:
+    log(L / 0) is infinite for both members of every pair (no gradient, NaN meta-loss). Floored at
+    1e-3 of the structure's initial loss (issue 30's protocol), the ratio is finite and so is the
+    gradient; the state keeps each structure's initial loss for it."""
+    campaign, state, _ = load_state(small_campaign)
+    assert state["initial_losses"].shape == state["baselines"].shape and float(state["initial_losses"][0]) > 0
+    pair_losses = jax.numpy.asarray([[0.5, 0.7], [1.5, 1.2]][:campaign.config.num_tasks])
+    eps = state["pes"][0].accumulated_eps
+    _, unfloored = campaign.meta_loss_gradient(state["meta_params"], pair_losses, eps, 0.0)
+    assert not np.isfinite(float(unfloored))
+    grad, value = campaign.meta_loss_gradient(state["meta_params"], pair_losses, eps, 0.0, 10.0)
+    assert float(value) == pytest.approx(np.mean(np.log(np.asarray(pair_losses) / 1e-2)), rel=1e-5)
+    assert any(float(np.abs(leaf).max()) > 0 for leaf in jax.tree.leaves(grad))
+
+
 def test_phase_one_trains_only_the_scheduler_and_phase_two_only_the_correction(small_campaign):
     """Steps before ``scheduler_steps`` change the scheduler's meta-parameters and outer Adam state
     and leave the correction's bit for bit, and PES draws no noise for the correction; later steps
