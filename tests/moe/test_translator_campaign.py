@@ -109,3 +109,17 @@ def test_sigterm_stops_a_background_campaign_saved_and_resume_goes_on(tmp_path):
     assert stopped > 0 and CheckpointStore(run / "state").latest() == stopped, out[-2000:]
     _, trainer, _ = run_translator_campaign(run, resume=True, stop_step=stopped + 2, log=quiet)
     assert trainer.step == stopped + 2
+
+
+def test_the_committed_campaign_is_intact_and_its_log_ends_at_its_state():
+    """benchmarks/campaigns/translator: the run a clone resumes (--resume --run-dir ...). Its newest
+    state verifies (every byte checksummed), its config loads, and its log ends at that state."""
+    run = ROOT / "benchmarks" / "campaigns" / "translator"
+    store = CheckpointStore(run / "state")
+    newest = store.latest()
+    assert newest is not None and store.verify(newest) is None
+    config = load_config(run)
+    records = read_log(run / LOG_NAME)
+    assert records[-1]["step"] == newest and records[0]["step"] == 0
+    assert [r["step"] for r in records] == sorted(r["step"] for r in records)
+    assert config.validate_every_steps > 0 and records[-1]["cpu_seconds"] > 0
