@@ -54,6 +54,9 @@ class TranslatorConfig:
     be mostly padding;
     ``learning_rate`` peaks after ``warmup_steps`` and decays as ``1 / sqrt(step)``;
     ``validate_every_steps``: steps between saves (each save logs a validation line);
+    The model's defaults are the campaign's size, chosen by measurement on one core (``BENCHMARKS.md``:
+    d_model 256 x 3 layers cost 2.6-4.5x as much per step; MoE-16 costs what the dense model does at
+    this width, where the 8k-piece embedding and softmax dominate).
     ``validation_per_tag``: validation pairs per reported tag, drawn at random (seeded): the corpus
     is stored sorted, so its first pairs are mostly placeholders and markup, which score high."""
 
@@ -62,19 +65,19 @@ class TranslatorConfig:
     languages: int | None = None
     from_english: tuple[str, ...] = ("fr", "de")
     vocabulary: bool = True
-    num_layers: int = 4
-    d_model: int = 256
+    num_layers: int = 2
+    d_model: int = 128
     num_heads: int = 4
-    ffn_dim: int = 1024
-    num_experts: int = 32
+    ffn_dim: int = 512
+    num_experts: int = 16
     capacity_factor: float = 2.0
     dropout_rate: float = 0.1
     max_length: int = 32
     buckets: tuple[int, ...] = (8, 12, 16, 24, 32)
     tokens_per_batch: int = 2048
     learning_rate: float = 1e-2
-    warmup_steps: int = 1000
-    validate_every_steps: int = 500
+    warmup_steps: int = 500
+    validate_every_steps: int = 300
     validation_per_tag: int = 64
 
     def __post_init__(self) -> None:
