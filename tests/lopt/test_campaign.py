@@ -254,3 +254,14 @@ def test_structures_are_picked_from_every_component_of_the_mixture_by_weight():
     assert [type(t).__name__ for t in pick_structures(components, 3, 1)] == \
         ["MLPTask", "LinearRegressionTask", "QuadraticTask"]  # each at least once while the count allows
     assert len(pick_structures(_families()["quadratic"](), 8, 0)) == 2  # no more than there are
+
+
+def test_the_committed_campaign_loads_and_its_log_ends_at_its_state():
+    """benchmarks/campaigns/lopt: the run a clone resumes. Its newest state verifies and loads (the
+    config from its manifest), and its log ends at that state's outer step."""
+    run = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "campaigns" / "lopt"
+    campaign, state, metadata = load_state(run)
+    records = read_log(run / LOG_NAME)
+    assert records[-1]["outer_step"] == metadata["outer_step"] and records[0]["outer_step"] == 0
+    assert metadata["best_validation"] == min(r["validation_geomean"] for r in records)
+    assert isinstance(campaign.rule, NominalAdamRule) and state["initial_losses"].shape == (8,)
